@@ -1,0 +1,24 @@
+"""One plan per layer type (distinct compress ratio) per micro-batch, shared by its layers."""
+
+from __future__ import annotations
+
+from .dp import dp_prefill_chunks
+from .greedy import fixed_prefill_chunks, plan_prefill_chunks, single_prefill_chunks
+from .lengths import Chunk
+
+LayerPlans = dict[int, list[Chunk]]  # compress ratio -> [(start, end, N, M), ...]
+
+PLANNERS = {"adaptive": plan_prefill_chunks, "fixed": fixed_prefill_chunks,
+            "dp": dp_prefill_chunks, "single": single_prefill_chunks}
+
+
+def plan_step(seq_lens, query_lens, *, compress_ratios, window_size, max_model_len,
+              max_num_batched_tokens, prefill_chunk_size=4, planner="adaptive") -> LayerPlans:
+    """Plan each distinct ratio in ``compress_ratios`` once; requests in the given order."""
+    if planner not in PLANNERS:
+        raise ValueError(f"planner must be one of {sorted(PLANNERS)}, got {planner!r}")
+    fn = PLANNERS[planner]
+    return {int(r): fn(seq_lens, query_lens, compress_ratio=int(r), window_size=window_size,
+                       max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                       prefill_chunk_size=prefill_chunk_size)
+            for r in dict.fromkeys(compress_ratios)}
