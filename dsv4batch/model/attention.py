@@ -1,0 +1,113 @@
+"""DSv4 attention over a packed step: per planned chunk, gather a workspace and run the sparse kernel.
+
+Per chunk `(s, e, N, M)` of requests (from `dsv4batch.planner`, computed once per layer type):
+workspace [e - s, M, head_dim] from a reusable pool; rows [0, compressed_b) hold request b's
+compressed entries, rows [N, N + gather_b) its raw window tokens; combined indices (compressed
+top-k / all visible entries first, then the window, offset by M * b, -1 padded) feed one
+`sparse_mla_prefill` call. No `[T, T]` matrix, no padding of queries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels import sparse_mla_prefill
+from .compressor import Compressor, Indexer
+from .layers import RMSNorm, Rope, rms
+from .layout import combine
+
+
+class WorkspacePool:
+    """One flat buffer reused by every chunk; `take(n, M, d)` views its front as [n, M, d]."""
+
+    def __init__(self):
+        self.buffer = None
+        self.peak_bytes = 0
+
+    def take(self, n: int, rows: int, dim: int, dtype, device) -> torch.Tensor:
+        numel = n * rows * dim
+        if self.buffer is None or self.buffer.numel() < numel or self.buffer.dtype != dtype:
+            self.buffer = torch.empty(numel, dtype=dtype, device=device)
+        self.peak_bytes = max(self.peak_bytes, numel * self.buffer.element_size())
+        return self.buffer[:numel].view(n, rows, dim)
+
+
+class Attention(nn.Module):
+    """Native names: wq_a, q_norm, wq_b, wkv, norm (kv), wo_a, wo_b, attn_sink, compressor, indexer."""
+
+    def __init__(self, config, ratio: int):
+        super().__init__()
+        hidden, self.num_heads, self.head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.ratio, self.window, self.eps = ratio, config.sliding_window, config.rms_norm_eps
+        self.groups, eps = config.o_groups, config.rms_norm_eps
+        self.wq_a = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(hidden, self.head_dim, bias=False)
+        self.norm = RMSNorm(self.head_dim, eps)
+        self.wo_a = nn.Linear(self.num_heads * self.head_dim // self.groups, self.groups * config.o_lora_rank,
+                              bias=False)
+        self.wo_b = nn.Linear(self.groups * config.o_lora_rank, hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.compressor = Compressor(hidden, self.head_dim, ratio, eps) if ratio > 1 else None
+        self.indexer = Indexer(config) if ratio == 4 else None
+
+    def forward(self, x: torch.Tensor, ctx, cache_in: dict, cache_out: dict, backend: str) -> torch.Tensor:
+        """x [T, hidden] (normed) -> [T, hidden]. ctx: the step (positions, layout, ropes, pool).
+
+        cache_in: carried tensors for this layer (None entries on a fresh step);
+        cache_out: filled with the tensors continuing requests carry to the next step.
+        """
+        lay, positions = ctx.layouts[self.ratio], ctx.positions
+        cos, sin = ctx.rope_for(self.ratio)
+        T = x.shape[0]
+        q_res = self.q_norm(self.wq_a(x))
+        q = Rope.apply(rms(self.wq_b(q_res).view(T, self.num_heads, self.head_dim), self.eps), cos, sin)
+        kv = Rope.apply(self.norm(self.wkv(x)), cos, sin)
+
+        parts = [cache_in.get("entries"), None, cache_in.get("window"), kv, kv.new_zeros(1, self.head_dim)]
+        idx_table = None
+        if self.compressor is not None:
+            parts[1], src_kv, src_gate = self.compressor(x, positions, lay.comp, cache_in.get("comp"), ctx.comp_rope)
+            ctx.carry(cache_out, "comp", (src_kv, src_gate), lay.comp)
+        if self.indexer is not None:
+            new_idx, isrc_kv, isrc_gate = self.indexer.compressor(x, positions, lay.comp, cache_in.get("idx"),
+                                                                  ctx.comp_rope)
+            ctx.carry(cache_out, "idx", (isrc_kv, isrc_gate), lay.comp)
+            old_idx = cache_in.get("idx_entries")
+            idx_table = new_idx if old_idx is None else torch.cat([old_idx, new_idx])
+            iq, iw = self.indexer.queries(x, q_res, cos, sin)
+        table = torch.cat([p for p in parts if p is not None])
+        ctx.carry_entries(cache_out, table, lay, idx_table)
+
+        out = torch.empty(T, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        scale = self.head_dim ** -0.5
+        for ci, chunk in enumerate(lay.chunks):
+            ws = ctx.pool.take(chunk.e - chunk.s, chunk.M, self.head_dim, table.dtype, table.device)
+            torch.index_select(table, 0, chunk.ws_index, out=ws.view(-1, self.head_dim))
+            if self.indexer is not None:
+                indices, lens = self.sparse_indices(chunk, lay, idx_table, iq, iw, positions)
+            else:
+                indices, lens = lay.static_indices(ci, chunk)
+            o, _, _ = sparse_mla_prefill(q[chunk.q0:chunk.q1], ws.view(-1, 1, self.head_dim), indices.unsqueeze(1),
+                                         scale, attn_sink=self.attn_sink, topk_length=lens, backend=backend)
+            out[chunk.q0:chunk.q1] = o
+            ctx.count_chunk(ws)
+        # K = V carried RoPE: undo it on the output's rope slice at the query position.
+        out = Rope.apply(out, cos, -sin)
+        grouped = out.view(T, self.groups, -1)
+        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
+        return self.wo_b(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
+
+    def sparse_indices(self, chunk, lay, idx_table, iq, iw, positions):
+        """CSA combined indices for one chunk: each request's indexer top-k, then its window."""
+        width = min(self.indexer.topk, max(chunk.N, 1))
+        picks = []
+        for b in range(chunk.s, chunk.e):
+            q0, q1 = int(lay.cu[b]), int(lay.cu[b + 1])
+            keys = idx_table[torch.from_numpy(lay.entry_rows(b)).to(idx_table.device)]
+            picks.append(self.indexer.topk_for(iq[q0:q1], iw[q0:q1], keys, positions[q0:q1], width))
+        comp = torch.cat(picks)
+        comp_len = chunk.comp_len.clamp(max=self.indexer.topk)
+        return combine(comp, comp_len, chunk.row_base, chunk.win_base, chunk.win_len, self.window)

@@ -1,0 +1,89 @@
+"""Model config (transformers' `DeepseekV4Config`) loading and the engine's own validated knobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+LAYER_RATIO_KEYS = {
+    "sliding_attention": None,
+    "compressed_sparse_attention": "compressed_sparse_attention",
+    "heavily_compressed_attention": "heavily_compressed_attention",
+}
+PLANNERS = ("adaptive", "fixed", "dp", "single")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message says which file or tensor and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine packs and plans prefill. Every field is validated in `__post_init__`.
+
+    max_num_batched_tokens: query tokens in one forward step; longer requests span several steps.
+    max_model_len: longest request (tokens, bos included) the engine accepts; sizes the planner budget.
+    prefill_chunk_size: the workspace budget in "requests of maximal length" (vLLM's PREFILL_CHUNK_SIZE).
+    planner: "adaptive" (vLLM #45061), "fixed" (pre-PR: chunks of `prefill_chunk_size`),
+        "dp" (min padded area for the given order) or "single" (one request per chunk).
+    sort_by_length: order requests by length before packing steps (outputs keep input order).
+    logits_slice: rows of the vocabulary projection computed at once (bounds `[rows, vocab]` memory).
+    attn_backend: "auto", "torch" or "flashmla" (see `dsv4batch.kernels`).
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    prefill_chunk_size: int = 4
+    planner: str = "adaptive"
+    sort_by_length: bool = True
+    logits_slice: int = 256
+    attn_backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_model_len", "prefill_chunk_size", "logits_slice"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.planner not in PLANNERS:
+            raise ValueError(f"EngineConfig.planner must be one of {PLANNERS}, got {self.planner!r}")
+        if self.attn_backend not in ("auto", "torch", "flashmla"):
+            raise ValueError(f"EngineConfig.attn_backend must be auto|torch|flashmla, got {self.attn_backend!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown EngineConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+def load_config(path: str):
+    """Read `path/config.json` with `DeepseekV4Config` (native DeepSeek keys are folded in by it)."""
+    from transformers import DeepseekV4Config
+
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model path {path!r} is not a folder (give a checkpoint folder or 'tiny')")
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ModelLoadError(f"{path!r} has no config.json; a DeepSeek-V4 checkpoint folder needs one")
+    try:
+        with open(file) as fh:
+            raw = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+    if raw.get("model_type") != "deepseek_v4":
+        raise ModelLoadError(
+            f"{file} has model_type {raw.get('model_type')!r}; dsv4batch only loads 'deepseek_v4' checkpoints"
+        )
+    try:
+        return DeepseekV4Config.from_dict(raw)
+    except Exception as exc:  # strict dataclass validation errors come in several types
+        raise ModelLoadError(f"invalid DeepSeek-V4 config in {file}: {exc}") from exc
+
+
+def layer_ratio(config, layer_idx: int) -> int:
+    """Compress ratio of a layer: 1 for sliding-window-only layers, else the layer type's rate."""
+    key = LAYER_RATIO_KEYS[config.layer_types[layer_idx]]
+    return 1 if key is None else int(config.compress_rates[key])
