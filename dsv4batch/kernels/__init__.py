@@ -1,0 +1,105 @@
+"""Sparse MLA prefill attention with FlashMLA ``flash_mla_sparse_fwd`` semantics.
+
+This package is the one module family that imports ``flash_mla`` (the ``sgl-flash-mla`` wheel,
+optional extra ``gpu``).  Everything else calls :func:`sparse_mla_prefill`, which runs either
+
+* ``"torch"``: :func:`dsv4batch.kernels.reference.sparse_mla_prefill_torch`, pure torch, CPU or
+  CUDA, fp32 math.  **That function is the definition of the contract below**; or
+* ``"flashmla"``: :func:`dsv4batch.kernels.flashmla.sparse_mla_prefill_flashmla`, the FlashMLA
+  kernel (CUDA sm90/sm100, d_qk == d_v == 512, bf16 math, so results match only approximately:
+  out within abs 8e-4 / rel 3/128, max_logits and lse within about 1e-6 relative).
+
+Backend choice: ``backend="auto"`` takes FlashMLA when it imported and the call fits it, else
+torch; the environment variable ``DSV4BATCH_ATTN_BACKEND`` (``auto``/``torch``/``flashmla``)
+replaces ``"auto"`` when set.  ``"torch"`` / ``"flashmla"`` force a backend; forcing FlashMLA
+where it cannot run raises ``RuntimeError`` with the reason.
+
+Tensors (no batch dim: concatenate tokens and offset indices into one concatenated kv):
+
+========== ====================== ============================================================
+q          [s_q, h_q, d_qk]       any float dtype (bf16 in the model)
+kv         [s_kv, 1, d_qk]        any float dtype; K = kv, V = kv[..., :d_v] (DSv4: K = V)
+indices    [s_q, 1, topk]         int32 (any int dtype accepted); row i lists kv rows for query i
+sm_scale   float                  logits P = (q . K) * sm_scale (no default; DSv4: d_qk ** -0.5)
+attn_sink  [h_q] or None          fp32 per-head sink logit
+topk_length [s_q] or None         int; slots j >= topk_length[i] are invalid
+d_v        int or None            value width, defaults to d_qk (FlashMLA itself needs 512)
+out        [s_q, h_q, d_v]        q.dtype
+max_logits [s_q, h_q]             fp32, max_j P_ij over valid slots (-inf if none)
+lse        [s_q, h_q]             fp32, natural-log logsumexp_j P_ij over valid slots
+========== ====================== ============================================================
+
+Slot j of query i is *invalid* when ``indices[i,0,j] < 0``, ``>= s_kv``, or ``j >= topk_length[i]``.
+Invalid slots never touch the math, even when they name NaN rows.  Indices in a row are assumed
+unique (as in FlashMLA).  With a sink, ``out = sum_j exp(P_j - logaddexp(lse, sink_h)) V_j``:
+the sink only rescales ``out`` (``lse``/``max_logits`` ignore it); sink ``-inf`` is exactly no
+sink, ``+inf`` gives out 0.  A query with no valid slot ("lonely") gets out 0 (any sink),
+max_logits -inf and lse **+inf**.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import flashmla as _flashmla
+from .reference import check_shapes, sparse_mla_prefill_torch
+
+__all__ = ["sparse_mla_prefill", "available_backends", "ENV_BACKEND"]
+
+ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
+_BACKENDS = ("auto", "torch", "flashmla")
+
+
+def available_backends() -> list[str]:
+    """Backends usable in this process: ``"torch"`` always; ``"flashmla"`` when ``flash_mla``
+    imported and the current CUDA device is sm90/sm100 (shape limits are checked per call)."""
+    names = ["torch"]
+    if _flashmla.flash_mla_sparse_fwd_fn is not None and torch.cuda.is_available():
+        probe = torch.empty(0, 1, _flashmla.D_QK, device="cuda")
+        if _flashmla.unsupported_reason(probe) is None:
+            names.append("flashmla")
+    return names
+
+
+def _resolve(backend: str, q: torch.Tensor, d_v: Optional[int]) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get(ENV_BACKEND, "").strip().lower()
+        if env and env not in _BACKENDS:
+            raise ValueError(f"{ENV_BACKEND}={env!r}; expected one of {_BACKENDS}")
+        backend = env or "auto"
+    if backend == "auto":
+        return "flashmla" if _flashmla.unsupported_reason(q, d_v) is None else "torch"
+    if backend == "flashmla":
+        reason = _flashmla.unsupported_reason(q, d_v)
+        if reason is not None:
+            raise RuntimeError(f"flashmla backend requested but unavailable: {reason}")
+    return backend
+
+
+def sparse_mla_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    *,
+    d_v: Optional[int] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse MLA prefill: returns ``(out [s_q,h_q,d_v] q.dtype, max_logits [s_q,h_q] fp32,
+    lse [s_q,h_q] fp32)``.  Shapes, dtypes and edge cases: see the module docstring; the
+    definition is :func:`dsv4batch.kernels.reference.sparse_mla_prefill_torch`."""
+    check_shapes(q, kv, indices, d_v)
+    if attn_sink is not None and attn_sink.numel() != q.shape[1]:
+        raise ValueError(f"attn_sink must be [h_q={q.shape[1]}], got {tuple(attn_sink.shape)}")
+    if topk_length is not None and topk_length.numel() != q.shape[0]:
+        raise ValueError(f"topk_length must be [s_q={q.shape[0]}], got {tuple(topk_length.shape)}")
+    if _resolve(backend, q, d_v) == "flashmla":
+        return _flashmla.sparse_mla_prefill_flashmla(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)
+    return sparse_mla_prefill_torch(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)

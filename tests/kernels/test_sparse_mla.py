@@ -1,0 +1,311 @@
+"""dsv4batch.kernels.sparse_mla_prefill against an independent dense reference.
+
+The dense reference below shares no code with the backends: it builds a [s_q, s_kv] boolean
+mask from indices (FlashMLA validity rules), runs a full float64 softmax over all kv rows with the
+sink as an extra column in the denominator, and special-cases lonely queries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4batch.kernels import available_backends, sparse_mla_prefill
+from dsv4batch.kernels import flashmla as flashmla_mod
+from dsv4batch.kernels.reference import sparse_mla_prefill_torch
+
+INF = math.inf
+# FlashMLA test generator's invalid values (tests/lib.py::generate_testcase), minus those
+# that would be valid for a large s_kv; s_kv itself is added per case.
+INVALID = [-(2**31), -123456, -1, 114514, 1919810, 2147480000, 2**31 - 1]
+
+
+def make_case(s_q, h_q, d_qk, s_kv, topk, *, seed=0, dtype=torch.float32, p_invalid=0.25,
+              lonely_rows=(), with_topk_length=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s_q, h_q, d_qk, generator=g).to(dtype)
+    kv = torch.randn(s_kv, 1, d_qk, generator=g).to(dtype)
+    idx = torch.empty(s_q, 1, topk, dtype=torch.int32)
+    bad = torch.tensor(INVALID + [s_kv], dtype=torch.int64)
+    for i in range(s_q):  # unique valid indices per row, then sprinkle invalid ones
+        row = torch.randperm(s_kv, generator=g)[:topk]
+        row = torch.cat([row, bad[torch.randint(len(bad), (topk - len(row),), generator=g)]])
+        drop = torch.rand(topk, generator=g) < p_invalid
+        row[drop] = bad[torch.randint(len(bad), (int(drop.sum()),), generator=g)]
+        if i in lonely_rows:
+            row = bad[torch.randint(len(bad), (topk,), generator=g)]
+        idx[i, 0] = row.to(torch.int32)
+    tl = None
+    if with_topk_length:
+        tl = torch.randint(0, topk + 4, (s_q,), generator=g, dtype=torch.int32)
+        tl[0] = topk  # at least one full row
+    return q, kv, idx, tl
+
+
+def dense_reference(q, kv, indices, sm_scale, attn_sink=None, topk_length=None, d_v=None):
+    s_q, h_q, d_qk = q.shape
+    s_kv, topk = kv.shape[0], indices.shape[-1]
+    d_v = d_qk if d_v is None else d_v
+    mask = torch.zeros(s_q, s_kv, dtype=torch.bool)
+    for i in range(s_q):
+        n = topk if topk_length is None else min(int(topk_length[i]), topk)
+        for j in range(max(n, 0)):
+            t = int(indices[i, 0, j])
+            if 0 <= t < s_kv:
+                mask[i, t] = True
+    k = kv[:, 0].double()
+    k = torch.where(mask.any(0)[:, None], k, 0.0)  # rows nobody validly uses may hold NaN
+    s = torch.einsum("qhd,kd->qhk", q.double(), k) * sm_scale
+    s = torch.where(mask[:, None, :], s, -INF)
+    lonely = ~mask.any(1)  # [s_q]
+    max_logits = s.amax(-1)
+    lse = torch.logsumexp(s, -1)
+    lse[lonely] = INF
+    sink = torch.full((h_q,), -INF, dtype=torch.float64) if attn_sink is None else attn_sink.double()
+    full = torch.cat([s, sink.view(1, h_q, 1).expand(s_q, h_q, 1)], dim=-1)
+    w = torch.softmax(full, dim=-1)[..., :s_kv]  # sink column only enlarges the denominator
+    w = torch.where(lonely[:, None, None] | (sink == INF).view(1, h_q, 1), 0.0, w)
+    out = torch.einsum("qhk,kd->qhd", w, k[:, :d_v])
+    return out, max_logits.float(), lse.float()
+
+
+def check(got, want, out_tol):
+    out, ml, lse = got
+    r_out, r_ml, r_lse = want
+    assert not torch.isnan(out).any() and not torch.isnan(ml).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.double(), r_out, **out_tol)
+    torch.testing.assert_close(ml, r_ml, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, r_lse, atol=1e-5, rtol=1e-5)
+
+
+FP32_TOL = dict(atol=2e-6, rtol=2e-5)
+BF16_TOL = dict(atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sink_kind", ["none", "finite", "neg_inf", "mixed"])
+@pytest.mark.parametrize("with_tl", [False, True])
+def test_matches_dense_reference(dtype, sink_kind, with_tl):
+    s_q, h_q, d_qk, s_kv, topk = 40, 4, 32, 57, 24
+    q, kv, idx, tl = make_case(s_q, h_q, d_qk, s_kv, topk, dtype=dtype, lonely_rows=(3, 17),
+                               with_topk_length=with_tl, seed=hash((sink_kind, with_tl)) % 1000)
+    sink = {"none": None, "finite": torch.randn(h_q) * 2,
+            "neg_inf": torch.full((h_q,), -INF),
+            "mixed": torch.tensor([-INF, 0.5, INF, 4.0])}[sink_kind]
+    got = sparse_mla_prefill(q, kv, idx, 0.3, sink, tl, backend="torch")
+    assert got[0].dtype == dtype and got[0].shape == (s_q, h_q, d_qk)
+    assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
+    assert got[1].shape == got[2].shape == (s_q, h_q)
+    check(got, dense_reference(q, kv, idx, 0.3, sink, tl), FP32_TOL if dtype == torch.float32 else BF16_TOL)
+    # lonely queries: out 0 whatever the sink, max_logits -inf, lse +inf
+    for i in (3, 17):
+        assert torch.equal(got[0][i], torch.zeros_like(got[0][i]))
+        assert (got[1][i] == -INF).all() and (got[2][i] == INF).all()
+    # a real sink must actually shrink the output (guards against sink being ignored)
+    if sink_kind == "finite":
+        plain = sparse_mla_prefill(q, kv, idx, 0.3, None, tl, backend="torch")[0]
+        assert (got[0].float().norm() < plain.float().norm() * 0.999).item()
+
+
+def test_hand_computed():
+    q = torch.tensor([[[1.0]], [[2.0]]])          # s_q 2, h_q 1, d_qk 1
+    kv = torch.tensor([[[0.0]], [[5.0]], [[2.0]]])
+    idx = torch.tensor([[[0, 2, -1]], [[7, -1, 1]]], dtype=torch.int32)
+    out, ml, lse = sparse_mla_prefill(q, kv, idx, 1.0, torch.tensor([1.0]), torch.tensor([3, 2]))
+    # query 0: P = [0, 2]; query 1: slot 2 is past topk_length -> lonely
+    e2 = math.exp(2.0)
+    assert ml[0, 0].item() == pytest.approx(2.0)
+    assert lse[0, 0].item() == pytest.approx(math.log(1 + e2), rel=1e-6)
+    assert out[0, 0, 0].item() == pytest.approx(2 * e2 / (1 + e2 + math.e), rel=1e-6)
+    assert out[1, 0, 0].item() == 0.0 and ml[1, 0].item() == -INF and lse[1, 0].item() == INF
+
+
+def test_neg_inf_sink_is_bitwise_no_sink():
+    q, kv, idx, tl = make_case(33, 3, 16, 40, 20, seed=5, lonely_rows=(4,))
+    a = sparse_mla_prefill(q, kv, idx, 0.25, None, tl)
+    b = sparse_mla_prefill(q, kv, idx, 0.25, torch.full((3,), -INF), tl)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_nan_rows_behind_invalid_slots_do_not_leak():
+    s_q, h_q, d_qk, s_kv, topk, n_live = 30, 2, 16, 200, 16, 10
+    q, kv, idx, _ = make_case(s_q, h_q, d_qk, s_kv, topk, seed=7, lonely_rows=(2,), with_topk_length=False)
+    tl = torch.full((s_q,), n_live, dtype=torch.int32)
+    idx[idx == 0] = -1  # row 0 is what a naive "gather 0 for invalid slots" would read
+    live = idx[:, 0, :n_live]
+    used = set(live[(live >= 0) & (live < s_kv)].tolist())
+    poisoned = sorted(set(range(s_kv)) - used)
+    assert 0 in poisoned and len(poisoned) > 10
+    tail = idx[:, 0, n_live:]  # valid-looking indices past topk_length -> poisoned rows
+    n_tail = int((tail >= 0).sum())
+    assert n_tail > 0
+    tail[tail >= 0] = torch.tensor(poisoned, dtype=torch.int32)[torch.arange(n_tail) % len(poisoned)]
+    kv[poisoned] = float("nan")
+    sink = torch.randn(h_q)
+    got = sparse_mla_prefill(q, kv, idx, 0.25, sink, tl)
+    check(got, dense_reference(q, kv, idx, 0.25, sink, tl), FP32_TOL)
+    assert (got[2][2] == INF).all() and not torch.isnan(got[0]).any()
+
+
+def test_d_v_smaller_than_d_qk():
+    q, kv, idx, tl = make_case(25, 4, 48, 60, 20, seed=11)
+    sink = torch.randn(4)
+    got = sparse_mla_prefill(q, kv, idx, 0.2, sink, tl, d_v=16)
+    assert got[0].shape == (25, 4, 16)
+    check(got, dense_reference(q, kv, idx, 0.2, sink, tl, d_v=16), FP32_TOL)
+
+
+def test_s_kv_smaller_than_topk_and_all_out_of_range_values():
+    q, kv, idx, tl = make_case(20, 2, 16, 9, 32, seed=13, lonely_rows=(0,))
+    sink = torch.randn(2)
+    check(sparse_mla_prefill(q, kv, idx, 0.5, sink, tl), dense_reference(q, kv, idx, 0.5, sink, tl), FP32_TOL)
+
+
+@pytest.mark.parametrize("slice_elems", [1, 3000, 20000])
+def test_slicing_matches_single_slice(slice_elems):
+    q, kv, idx, tl = make_case(50, 4, 32, 80, 24, seed=17, lonely_rows=(10, 11, 12))
+    sink = torch.randn(4)
+    one = sparse_mla_prefill_torch(q, kv, idx, 0.3, sink, tl, slice_elems=1 << 30)
+    many = sparse_mla_prefill_torch(q, kv, idx, 0.3, sink, tl, slice_elems=slice_elems)
+    for x, y in zip(one, many):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+    check(many, dense_reference(q, kv, idx, 0.3, sink, tl), FP32_TOL)
+
+
+def test_empty_topk_and_empty_queries():
+    q = torch.randn(3, 2, 8)
+    kv = torch.randn(5, 1, 8)
+    out, ml, lse = sparse_mla_prefill(q, kv, torch.empty(3, 1, 0, dtype=torch.int32), 1.0)
+    assert torch.equal(out, torch.zeros(3, 2, 8)) and (ml == -INF).all() and (lse == INF).all()
+    out, ml, lse = sparse_mla_prefill(q[:0], kv, torch.empty(0, 1, 4, dtype=torch.int32), 1.0)
+    assert out.shape == (0, 2, 8) and ml.shape == lse.shape == (0, 2)
+
+
+def test_bad_shapes_raise():
+    q = torch.randn(3, 2, 8)
+    idx = torch.zeros(3, 1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError):
+        sparse_mla_prefill(q, torch.randn(5, 2, 8), idx, 1.0)
+    with pytest.raises(ValueError):
+        sparse_mla_prefill(q, torch.randn(5, 1, 8), idx[:2], 1.0)
+    with pytest.raises(ValueError):
+        sparse_mla_prefill(q, torch.randn(5, 1, 8), idx, 1.0, d_v=9)
+    with pytest.raises(ValueError):
+        sparse_mla_prefill(q, torch.randn(5, 1, 8), idx, 1.0, attn_sink=torch.zeros(3))
+
+
+def test_backend_selection_on_cpu(monkeypatch):
+    assert "torch" in available_backends()
+    q, kv, idx, tl = make_case(8, 2, 16, 20, 8, seed=3)
+    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
+    ref = sparse_mla_prefill(q, kv, idx, 0.5, None, tl, backend="torch")
+    for x, y in zip(ref, sparse_mla_prefill(q, kv, idx, 0.5, None, tl)):  # auto on CPU -> torch
+        assert torch.equal(x, y)
+    with pytest.raises(RuntimeError, match="flashmla"):
+        sparse_mla_prefill(q, kv, idx, 0.5, backend="flashmla")
+    with pytest.raises(ValueError):
+        sparse_mla_prefill(q, kv, idx, 0.5, backend="triton")
+    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "flashmla")
+    with pytest.raises(RuntimeError, match="flashmla"):
+        sparse_mla_prefill(q, kv, idx, 0.5)
+    sparse_mla_prefill(q, kv, idx, 0.5, backend="torch")  # explicit backend beats the env var
+    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "bogus")
+    with pytest.raises(ValueError):
+        sparse_mla_prefill(q, kv, idx, 0.5)
+    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "torch")
+    assert torch.equal(sparse_mla_prefill(q, kv, idx, 0.5, None, tl)[0], ref[0])
+
+
+# ---------------------------------------------------------------- GPU: FlashMLA vs torch
+
+
+def _flashmla_close(got, want, atol, rtol):
+    """FlashMLA's check_is_allclose: inf/NaN positions match; each element within abs OR rel."""
+    got, want = got.float(), want.float()
+    assert torch.equal(torch.isinf(got) & (got > 0), torch.isinf(want) & (want > 0))
+    assert torch.equal(torch.isinf(got) & (got < 0), torch.isinf(want) & (want < 0))
+    assert not torch.isnan(got).any() and not torch.isnan(want).any()
+    fin = torch.isfinite(want)
+    diff = (got[fin] - want[fin]).abs()
+    ok = (diff <= atol) | (diff <= rtol * want[fin].abs())
+    assert ok.all(), f"{int((~ok).sum())} elements off, max abs diff {diff.max().item():.3g}"
+
+
+def _cos_diff(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return (1 - 2 * (a * b).sum() / (a * a + b * b).sum().clamp_min(1e-30)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or flashmla_mod.flash_mla_sparse_fwd_fn is None,
+                    reason="needs CUDA and the flash_mla module (sgl-flash-mla)")
+def test_flashmla_matches_torch_backend():
+    if "flashmla" not in available_backends():
+        pytest.skip("FlashMLA needs sm90/sm100")
+    s_q, h_q, d_qk, s_kv, topk = 300, 16, 512, 1000, 200  # h_q padded to 64, topk to 256
+    q, kv, idx, tl = make_case(s_q, h_q, d_qk, s_kv, topk, seed=23, dtype=torch.bfloat16,
+                               lonely_rows=(5, 6))
+    dev = torch.device("cuda")
+    q, kv, idx, tl = q.to(dev), kv.to(dev), idx.to(dev), tl.to(dev)
+    sink = torch.randn(h_q, device=dev)
+    sink[0], sink[1] = -INF, INF
+    scale = d_qk ** -0.5
+    want = sparse_mla_prefill(q, kv, idx, scale, sink, tl, backend="torch")
+    got = sparse_mla_prefill(q, kv, idx, scale, sink, tl, backend="flashmla")
+    assert got[0].dtype == torch.bfloat16 and got[0].shape == (s_q, h_q, 512)
+    _flashmla_close(got[0], want[0], 8e-4, 3.01 / 128)
+    assert _cos_diff(got[0], want[0]) < 1e-5
+    _flashmla_close(got[1], want[1], 1e-6, 2.01 / 65536)
+    _flashmla_close(got[2], want[2], 1e-6, 2.01 / 65536)
+    auto = sparse_mla_prefill(q, kv, idx, scale, sink, tl)
+    assert torch.equal(auto[0], got[0])
+
+
+# ------------------------------------- FlashMLA adapter logic on CPU, against a fake kernel
+
+
+@pytest.mark.parametrize("major", [9, 10])
+@pytest.mark.parametrize("h_q", [5, 130])
+def test_flashmla_adapter_with_fake_kernel(monkeypatch, major, h_q):
+    """Padding, -1 clamping, head groups, use_legacy and base-2 lse conversion, without a GPU:
+    the fake kernel asserts FlashMLA's input rules and answers with the torch reference."""
+    calls = []
+
+    def fake_kernel(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
+                    use_legacy=False, return_log2_lse=False):
+        assert q.dtype == kv.dtype == torch.bfloat16 and indices.dtype == torch.int32
+        assert q.shape[1] in (64, 128) and q.shape[2] == 512 and d_v == 512
+        assert kv.shape[1] == 1 and indices.shape[1] == 1
+        assert indices.shape[2] % 128 == 0 and indices.shape[2] > 0
+        assert ((indices == -1) | ((indices >= 0) & (indices < kv.shape[0]))).all()
+        assert attn_sink.dtype == torch.float32 and attn_sink.shape == (q.shape[1],)
+        assert topk_length.dtype == torch.int32 and topk_length.shape == (q.shape[0],)
+        assert use_legacy == (major == 9)
+        calls.append(q.shape[1])
+        out, ml, lse = sparse_mla_prefill_torch(q, kv, indices, sm_scale, attn_sink, topk_length)
+        if return_log2_lse:
+            ml, lse = ml * math.log2(math.e), lse * math.log2(math.e)
+        return out, ml, lse
+
+    monkeypatch.setattr(flashmla_mod, "flash_mla_sparse_fwd_fn", fake_kernel)
+    monkeypatch.setattr(flashmla_mod, "_PARAMS", frozenset(
+        {"attn_sink", "topk_length", "use_legacy", "return_log2_lse"}))
+    monkeypatch.setattr(flashmla_mod, "unsupported_reason", lambda q, d_v=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+
+    q, kv, idx, tl = make_case(12, h_q, 512, 300, 200, seed=29, dtype=torch.bfloat16, lonely_rows=(1,))
+    sink = torch.randn(h_q)
+    sink[0] = INF
+    scale = 512 ** -0.5
+    got = sparse_mla_prefill(q, kv, idx, scale, sink, tl, backend="flashmla")
+    want = sparse_mla_prefill(q, kv, idx, scale, sink, tl, backend="torch")
+    assert calls == ([64] if h_q == 5 else [128, 64])
+    assert got[0].dtype == torch.bfloat16 and got[0].shape == (12, h_q, 512)
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+    assert (got[2][1] == INF).all() and (got[1][1] == -INF).all() and (got[0][1] == 0).all()
+    assert (got[0][:, 0] == 0).all()  # sink +inf zeroes head 0
