@@ -41,14 +41,17 @@ def sparse_mla_prefill_torch(
     topk_length: Optional[torch.Tensor] = None,
     d_v: Optional[int] = None,
     slice_elems: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shapes/dtypes/edge cases: see ``sparse_mla_prefill``. ``slice_elems`` bounds one slice."""
+    """Shapes/dtypes/edge cases: see ``sparse_mla_prefill``. ``slice_elems`` bounds one slice;
+    ``accum_dtype`` overrides the compute dtype (fp32, or fp64 for fp64 q)."""
     check_shapes(q, kv, indices, d_v)
     s_q, h_q, d_qk = q.shape
     s_kv, topk = kv.shape[0], indices.shape[-1]
     d_v = d_qk if d_v is None else int(d_v)
     dev = q.device
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cdt = accum_dtype or cdt
     inf = float("inf")
     out = torch.zeros(s_q, h_q, d_v, dtype=q.dtype, device=dev)
     max_logits = torch.full((s_q, h_q), -inf, dtype=torch.float32, device=dev)

@@ -116,3 +116,29 @@ def load_model(cls, path_or_name: str, *, device="cpu", dtype=torch.float32, eng
     model.to(device).eval()
     model.tokenizer = load_tokenizer(tok_path)
     return model
+
+
+def save_checkpoint(model, path: str) -> None:
+    """Write `model` as a native-named safetensors checkpoint folder (config.json, tokenizer.json).
+
+    transformers' `DeepseekV4ForCausalLM.from_pretrained(path)` reads it (its conversion mapping
+    renames native names), so the same weights can be run by the reference implementation.
+    """
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from .tokenizer import packaged_tokenizer_path
+
+    os.makedirs(path, exist_ok=True)
+    state = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$", name)
+        if m:
+            for e in range(tensor.shape[0]):
+                state[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = tensor[e].detach().contiguous().cpu()
+        else:
+            state[name] = tensor.detach().contiguous().cpu()
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    model.config.to_json_file(os.path.join(path, "config.json"))
+    shutil.copy(packaged_tokenizer_path(), os.path.join(path, "tokenizer.json"))

@@ -1,0 +1,47 @@
+"""Shared benchmark helpers: timing, prompts, and the tiny model exported for transformers."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+
+import numpy as np
+
+
+def best_of(fn, repeats: int) -> float:
+    """Best wall time of `repeats` calls (the machines are shared: the minimum is the least noisy)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[0] + rng.integers(3, vocab, size=n - 1).tolist() for n in lengths]
+
+
+def tiny_pair(engine=None):
+    """(our tiny DSv4Model, transformers' DeepseekV4ForCausalLM on the same weights)."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    from dsv4batch.model import DSv4Model
+    from dsv4batch.model.loader import save_checkpoint
+
+    ours = DSv4Model.from_pretrained("tiny", engine=engine)
+    path = tempfile.mkdtemp(prefix="dsv4batch-bench-")
+    save_checkpoint(ours, path)
+    hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return ours, hf
+
+
+def emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    for key, value in result.items():
+        print(f"{key}: {value}")
