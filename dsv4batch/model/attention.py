@@ -14,7 +14,7 @@ from torch import nn
 
 from ..kernels import sparse_mla_prefill
 from .compressor import Compressor, Indexer
-from .layers import RMSNorm, Rope, rms
+from .layers import Linear, RMSNorm, Rope, grouped_linear, rms
 from .layout import combine
 
 
@@ -41,14 +41,13 @@ class Attention(nn.Module):
         hidden, self.num_heads, self.head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
         self.ratio, self.window, self.eps = ratio, config.sliding_window, config.rms_norm_eps
         self.groups, eps = config.o_groups, config.rms_norm_eps
-        self.wq_a = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.wq_a = Linear(hidden, config.q_lora_rank)
         self.q_norm = RMSNorm(config.q_lora_rank, eps)
-        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(hidden, self.head_dim, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.head_dim)
+        self.wkv = Linear(hidden, self.head_dim)
         self.norm = RMSNorm(self.head_dim, eps)
-        self.wo_a = nn.Linear(self.num_heads * self.head_dim // self.groups, self.groups * config.o_lora_rank,
-                              bias=False)
-        self.wo_b = nn.Linear(self.groups * config.o_lora_rank, hidden, bias=False)
+        self.wo_a = Linear(self.num_heads * self.head_dim // self.groups, self.groups * config.o_lora_rank)
+        self.wo_b = Linear(self.groups * config.o_lora_rank, hidden)
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
         self.compressor = Compressor(hidden, self.head_dim, ratio, eps) if ratio > 1 else None
         self.indexer = Indexer(config) if ratio == 4 else None
@@ -99,7 +98,7 @@ class Attention(nn.Module):
         out = Rope.apply(out, cos, -sin)
         grouped = out.view(T, self.groups, -1)
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
-        return self.wo_b(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
+        return self.wo_b(grouped_linear(grouped, w).flatten(1))
 
     def sparse_indices(self, chunk, lay, idx_table, iq, iw, positions):
         """CSA combined indices for one chunk: each request's indexer top-k, then its window."""

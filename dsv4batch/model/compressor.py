@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import RMSNorm, Rope
+from .layers import Linear, RMSNorm, Rope, pad_rows
 
 
 class Compressor(nn.Module):
@@ -21,8 +21,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.dim, self.ratio, self.overlap = dim, ratio, ratio == 4
         coff = 2 if self.overlap else 1
-        self.wkv = nn.Linear(hidden, coff * dim, bias=False)
-        self.wgate = nn.Linear(hidden, coff * dim, bias=False)
+        self.wkv = Linear(hidden, coff * dim)
+        self.wgate = Linear(hidden, coff * dim)
         self.ape = nn.Parameter(torch.zeros(ratio, coff * dim, dtype=torch.float32))
         self.norm = RMSNorm(dim, eps)
 
@@ -62,18 +62,17 @@ class Indexer(nn.Module):
     def __init__(self, config, max_query_slice: int = 1024):
         super().__init__()
         self.num_heads, self.dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
-        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.dim, bias=False)
-        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.dim)
+        self.weights_proj = Linear(config.hidden_size, self.num_heads)
         ratio = config.compress_rates["compressed_sparse_attention"]
         self.compressor = Compressor(config.hidden_size, self.dim, ratio, config.rms_norm_eps)
         self.ratio = ratio
         self.max_query_slice = max_query_slice
 
     def queries(self, x, q_res, cos, sin):
-        """-> q [T, heads_i, dim_i] fp32 (RoPE'd) and head weights [T, heads_i] fp32 (scales folded in)."""
+        """-> q [T, heads_i, dim_i] fp32 (RoPE'd) and head weights [T, heads_i] fp32 (* heads_i ** -0.5)."""
         q = Rope.apply(self.wq_b(q_res).view(x.shape[0], self.num_heads, self.dim), cos, sin).float()
-        w = self.weights_proj(x).float() * (self.num_heads ** -0.5) * (self.dim ** -0.5)
-        return q, w
+        return q, self.weights_proj(x).float() * self.num_heads ** -0.5
 
     def topk_for(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, width: int):
         """One request's queries q [s, h, d], w [s, h] vs its entries keys [E, d] -> [s, width] int64.
@@ -87,11 +86,12 @@ class Indexer(nn.Module):
         k = min(self.topk, num_entries, width)
         if k == 0:
             return out
-        keys = keys.float()
+        keys_t = keys.float().t()
         ent = torch.arange(num_entries, device=q.device)
         for a in range(0, s, self.max_query_slice):
             b = min(a + self.max_query_slice, s)
-            scores = torch.relu(torch.einsum("shd,ed->she", q[a:b], keys))
+            # same op order as transformers' DeepseekV4IndexerScorer, so near-ties break alike
+            scores = torch.relu(torch.matmul(pad_rows(q[a:b]), keys_t)[: b - a]) * self.dim ** -0.5  # [s, h, E]
             scores = (scores * w[a:b].unsqueeze(-1)).sum(dim=1)
             visible = (positions[a:b] + 1) // self.ratio
             scores = scores.masked_fill(ent[None, :] >= visible[:, None], float("-inf"))

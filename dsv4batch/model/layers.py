@@ -11,6 +11,40 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# BLAS takes other code paths (GEMV, split-K) for a handful of rows, and their rounding differs:
+# a token's result would then depend on how many tokens share its step. Padding every GEMM to at
+# least MIN_ROWS rows keeps each row's arithmetic identical whatever the batch (batch invariance).
+MIN_ROWS = 16
+
+
+def pad_rows(x: torch.Tensor, rows: int = MIN_ROWS) -> torch.Tensor:
+    """x [n, ...] -> [max(n, rows), ...] (zero rows appended when n < rows)."""
+    if x.shape[0] >= rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear on x [n, in] -> [n, out], computed on at least MIN_ROWS rows."""
+    return F.linear(pad_rows(x), weight)[: x.shape[0]]
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-group projection: x [n, G, in], weight [G, out, in] -> [n, G, out]."""
+    y = torch.bmm(pad_rows(x).transpose(0, 1), weight.transpose(1, 2))
+    return y.transpose(0, 1)[: x.shape[0]]
+
+
+class Linear(nn.Linear):
+    """Bias-free nn.Linear over [n, in] rows that pads small batches (see MIN_ROWS)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMSNorm over the last dim, computed in fp32, returned in x's dtype."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
@@ -67,7 +101,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     collapsed [T, H] in x's dtype).
     """
     flat = rms(x.flatten(1).float(), norm_eps)
-    mixes = F.linear(flat, fn.float())
+    mixes = linear(flat, fn.float())
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
@@ -104,7 +138,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
         """x [T, H], input_ids [T] -> (weights [T, k], expert indices [T, k])."""
-        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        scores = F.softplus(linear(x, self.weight)).sqrt()
         if self.is_hash:
             indices = self.tid2eid[input_ids].long()
         else:
@@ -123,9 +157,9 @@ class Expert(nn.Module):
 
     def __init__(self, hidden: int, inter: int, limit: float):
         super().__init__()
-        self.w1 = nn.Linear(hidden, inter, bias=False)
-        self.w2 = nn.Linear(inter, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.w1 = Linear(hidden, inter)
+        self.w2 = Linear(inter, hidden)
+        self.w3 = Linear(hidden, inter)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,8 +194,8 @@ class Experts(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 seg = xs[start:start + n]
-                h = swiglu(F.linear(seg, self.w1[e]), F.linear(seg, self.w3[e]), self.limit)
-                out[start:start + n] = F.linear(h, self.w2[e]) * ws[start:start + n].to(x.dtype)
+                h = swiglu(linear(seg, self.w1[e]), linear(seg, self.w3[e]), self.limit)
+                out[start:start + n] = linear(h, self.w2[e]) * ws[start:start + n].to(x.dtype)
             start += n
         return torch.zeros_like(x).index_add_(0, token_of, out)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from .attention import Attention, WorkspacePool
 from .config import EngineConfig, layer_ratio
-from .layers import MoE, RMSNorm, Rope, hc_post, hc_pre, rms
+from .layers import Linear, MoE, RMSNorm, Rope, hc_post, hc_pre, linear, rms
 from .step import RequestState, StepContext
 
 
@@ -60,7 +60,7 @@ class DSv4Model(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, hidden)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.head = Linear(hidden, config.vocab_size)
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * hidden))
         self.hc_head_base = nn.Parameter(torch.zeros(hc))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
@@ -89,17 +89,26 @@ class DSv4Model(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx, i, backend)
         flat = rms(h.flatten(1).float(), self.config.rms_norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
+        pre = torch.sigmoid(linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
                             + self.hc_head_base.float()) + self.config.hc_eps
         return self.norm((pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype))
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden], targets [n] -> log p(target) [n] fp32, `logits_slice` rows at a time."""
-        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        step = self.engine.logits_slice
-        for a in range(0, hidden.shape[0], step):
-            logits = self.head(hidden[a:a + step]).float()
-            out[a:a + step] = logits.gather(1, targets[a:a + step, None]).squeeze(1) - logits.logsumexp(-1)
+        """hidden [n, hidden], targets [n] -> log p(target) [n] fp32, `logits_slice` rows at a time.
+
+        Every slice has exactly `logits_slice` rows (the last is zero-padded): one fixed shape means
+        one GEMM/reduction strategy, so a row's logprob does not depend on its step's size.
+        """
+        step, n = self.engine.logits_slice, hidden.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        padded = hidden.new_zeros(step, hidden.shape[1])
+        padded_targets = targets.new_zeros(step)
+        for a in range(0, n, step):
+            rows = min(step, n - a)
+            padded[:rows], padded_targets[:rows] = hidden[a:a + rows], targets[a:a + rows]
+            logits = self.head(padded).float()
+            # fused log-softmax + gather (one pass fewer than logsumexp over the vocabulary)
+            out[a:a + rows] = -F.cross_entropy(logits, padded_targets, reduction="none")[:rows]
         return out
 
     def validate(self, batch) -> list[np.ndarray]:
