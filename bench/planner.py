@@ -22,7 +22,8 @@ MIXES = {
 }
 VARIANTS = {"fixed": dict(planner="fixed", sort_by_length=False),
             "adaptive": dict(planner="adaptive", sort_by_length=False),
-            "adaptive+sorted": dict(planner="adaptive", sort_by_length=True)}
+            "adaptive+sorted": dict(planner="adaptive", sort_by_length=True),
+            "dp+sorted": dict(planner="dp", sort_by_length=True)}
 
 
 def run_mix(model_cls, batch, repeats):
