@@ -1,0 +1,1 @@
+"""Bundled sample data (`sample.parquet`) and the script that builds it (`make_sample`)."""

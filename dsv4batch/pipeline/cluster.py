@@ -1,0 +1,36 @@
+"""Join or start Ray for a run.
+
+`address` (or RAY_ADDRESS, which `ray job submit` sets for the job's driver) joins a running
+cluster; otherwise a local Ray starts with token authentication (Ray >= 2.52 enables it for
+new local clusters unless RAY_AUTH_MODE says otherwise; the token is ~/.ray/auth_token or
+RAY_AUTH_TOKEN) and its dashboard bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def connect(address: str | None = None, **local_kwargs) -> bool:
+    """Initialize Ray unless it already is; returns True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    common = {"logging_level": logging.WARNING, "log_to_driver": True}
+    if address:
+        ray.init(address=address, **common)
+    else:
+        ray.init(dashboard_host="127.0.0.1", **common, **local_kwargs)
+    return True
+
+
+def configure_data_context(progress_bars: bool = False) -> None:
+    """Ray Data settings for a scoring run (set before the dataset is built)."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = progress_bars
+    ctx.max_errored_blocks = 0  # a failed block fails the run: rows are never dropped silently

@@ -1,0 +1,176 @@
+"""`ScoreConfig`: the one validated configuration, from the CLI down to every pipeline stage.
+
+Every field is documented in its metadata (the CLI's `--help` is generated from it), values are
+checked in `__post_init__`, and `ScoreConfig.from_dict` rejects unknown fields by name. The object
+is frozen and picklable, so Ray ships the same instance to tokenize tasks and scoring actors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4batch.model.config import PLANNERS  # light module: no torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class UsageError(ValueError):
+    """A bad argument, path or column: reported to the user (CLI exit code 2), never retried."""
+
+
+def _f(default: Any, help: str, *, choices: tuple | None = None, group: str = "scoring",
+       flag: str | None = None, min: float | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group,
+                                            "flag": flag, "min": min})
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    # -- run: used by the runner (`dsv4batch score`), ignored by `pipeline.score(dataset, config)`
+    input: str | None = _f(None, "Parquet file, folder of Parquet files or glob (any filesystem "
+                           "pyarrow can open).", group="run")
+    output: str | None = _f(None, "Output folder: Parquet part files plus _metrics.json.",
+                            group="run")
+    overwrite: bool = _f(False, "Replace the files of a previous run in OUTPUT (only files "
+                         "dsv4batch wrote; anything else makes the run refuse).", group="run")
+    ray_address: str | None = _f(None, "Ray cluster to join (e.g. 'auto', 'ray://host:10001'); "
+                                 "default: RAY_ADDRESS, else start a local Ray.", group="run")
+    progress: bool = _f(True, "Show live progress (rows, tokens/s) on stderr.", group="run")
+    # -- model
+    model: str = _f("tiny", "Checkpoint folder (transformers save_pretrained layout with "
+                    "tokenizer.json) or 'tiny'.", group="model")
+    dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+                    choices=DTYPES, group="model")
+    # -- columns and scoring
+    text_column: str = _f("prompt", "Column with the text (prompt) to score.")
+    target_column: str | None = _f(None, "Optional column with a continuation: only its tokens "
+                                   "are scored, conditioned on the prompt (log-likelihood).")
+    id_column: str = _f("id", "Column with unique row ids; when the input has no such column, "
+                        "ids '<file>:<row>' are derived from file and row position.")
+    keep_columns: tuple[str, ...] = _f((), "Input columns to carry through to the output "
+                                       "(comma-separated on the CLI).")
+    token_logprobs: bool = _f(False, "Also write token_logprobs (list<float32>) per row.")
+    # -- engine (DSv4Model EngineConfig)
+    max_batched_tokens: int = _f(2048, "Query tokens per forward step; long requests span "
+                                 "steps, short ones share one.", group="engine", min=1)
+    max_model_len: int = _f(8192, "Longest request in tokens (bos + prompt + target); longer "
+                            "rows get an error instead of a score.", group="engine", min=2)
+    prefill_chunk_size: int | None = _f(None, "Planner workspace budget in requests of maximal "
+                                        "length (None: the engine's default).", group="engine",
+                                        min=1)
+    planner: str = _f("adaptive", "Prefill chunk planner (adaptive: vllm#45061; fixed: chunks of "
+                      "prefill_chunk_size).", choices=PLANNERS, group="engine")
+    sort_by_length: bool = _f(True, "Let the engine sort a batch's requests by length.",
+                              group="engine")
+    # -- resources and Ray Data
+    replicas: int = _f(1, "Number of scoring actors (model replicas).", group="resources", min=1)
+    gpus_per_replica: float | None = _f(None, "GPUs per actor; None: 1 when the cluster has "
+                                        "GPUs, else 0 (CPU backend).", group="resources", min=0)
+    cpus_per_replica: float | None = _f(None, "CPUs reserved per scoring actor; None: 1 with "
+                                        "GPUs, 0.5 on the CPU backend (fractions leave room "
+                                        "for read/write tasks on small machines).",
+                                        group="resources", min=0)
+    torch_threads: int | None = _f(None, "torch intra-op threads in each actor on the CPU "
+                                   "backend (None: Ray's default for the actor).",
+                                   group="resources", min=1)
+    batch_size: int = _f(64, "Rows per Ray Data batch sent to an actor.", group="resources",
+                         min=1)
+    batches_in_flight: int = _f(2, "Batches queued per actor (>= 2 overlaps data transfer "
+                                "with compute).", group="resources", min=1)
+    tokenize_batch_size: int = _f(256, "Rows per tokenize batch.", group="resources", min=1)
+    tokenize_num_cpus: float = _f(0.25, "CPUs reserved per tokenize actor.", group="resources",
+                                  min=0)
+    tokenize_concurrency: int = _f(2, "Most tokenize actors (the pool autoscales from 1).",
+                                   group="resources", min=1)
+    num_blocks: int | None = _f(None, "Read blocks (Ray Data override_num_blocks); None: Ray "
+                                "Data's choice.", group="resources", min=1)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep_columns, (list, str)):
+            kc = self.keep_columns.split(",") if isinstance(self.keep_columns, str) else self.keep_columns
+            object.__setattr__(self, "keep_columns", tuple(c.strip() for c in kc if c.strip()))
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and _allows(hints[f.name], float):
+                object.__setattr__(self, f.name, value := float(value))
+            if not _isinstance(value, hints[f.name]):
+                raise UsageError(f"config field {f.name!r}: expected {_tname(hints[f.name])}, "
+                                 f"got {value!r}")
+            choices, lo = f.metadata["choices"], f.metadata["min"]
+            if choices and value not in choices:
+                raise UsageError(f"config field {f.name!r}: {value!r} is not one of {choices}")
+            if lo is not None and value is not None and value < lo:
+                raise UsageError(f"config field {f.name!r}: must be >= {lo}, got {value!r}")
+        if self.target_column is not None and self.target_column == self.text_column:
+            raise UsageError("target_column must differ from text_column")
+        from dsv4batch.pipeline.schema import output_names
+        clash = set(self.keep_columns) & set(output_names(True))
+        if clash:
+            raise UsageError(f"keep_columns {sorted(clash)} clash with output columns; rename "
+                             "them in the input")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ScoreConfig":
+        """Build from a mapping; unknown keys are rejected with a suggestion."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in known:
+                hint = difflib.get_close_matches(key, known, n=1)
+                raise UsageError(f"unknown config field {key!r}"
+                                 + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> "ScoreConfig":
+        return self.from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["keep_columns"] = list(self.keep_columns)
+        return d
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `dsv4batch.model.EngineConfig`."""
+        kw = dict(max_num_batched_tokens=self.max_batched_tokens, max_model_len=self.max_model_len,
+                  planner=self.planner, sort_by_length=self.sort_by_length)
+        if self.prefill_chunk_size is not None:
+            kw["prefill_chunk_size"] = self.prefill_chunk_size
+        return kw
+
+    def result_fields(self) -> dict[str, Any]:
+        """The fields that change what a row's output is (recorded per run, checked on resume)."""
+        keys = ("model", "dtype", "text_column", "target_column", "id_column", "keep_columns",
+                "token_logprobs", "max_model_len")
+        return {k: v for k, v in self.to_dict().items() if k in keys}
+
+
+def _allows(hint: Any, t: type) -> bool:
+    return hint is t or t in typing.get_args(hint)
+
+
+def _isinstance(value: Any, hint: Any) -> bool:
+    if hint is Any:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_isinstance(v, args[0]) for v in value)
+    if args:  # Optional / Union
+        return any(_isinstance(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, hint)
+
+
+def _tname(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple:
+        return f"tuple of {_tname(args[0])}"
+    if args:
+        return " | ".join(_tname(a) for a in args)
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))

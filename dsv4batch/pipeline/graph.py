@@ -1,0 +1,94 @@
+"""The Ray Data graph: Tokenize (CPU actors) -> ScoringActor pool, as a composable Python API.
+
+    ds = ray.data.read_parquet(...)                 # any Dataset with the configured columns
+    scores = dsv4batch.pipeline.score(ds, ScoreConfig(replicas=2))
+    scores.write_parquet(...)                       # or more Ray Data steps
+
+Each input row comes out exactly once: every step keeps row count and order within a batch,
+and a row that cannot be scored carries an `error` instead of being dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv4batch.pipeline import schema as S
+from dsv4batch.pipeline.config import ScoreConfig, UsageError
+
+
+def resolve(config: ScoreConfig) -> ScoreConfig:
+    """Fill in cluster-dependent defaults and refuse resource settings that cannot run.
+
+    `gpus_per_replica`: 1 when Ray sees GPUs, else 0 (CPU backend). `cpus_per_replica`: 1 with
+    GPUs, else 0.5. On the CPU backend the actors must leave one whole CPU free: Ray Data's
+    list/read/write tasks need 1 CPU each, and a pool that takes every CPU would wait forever.
+    """
+    import ray
+
+    cluster = ray.cluster_resources() if ray.is_initialized() else {}
+    gpus = config.gpus_per_replica
+    if gpus is None:
+        gpus = 1.0 if cluster.get("GPU", 0) > 0 else 0.0
+    cpus = config.cpus_per_replica
+    if cpus is None:
+        cpus = 1.0 if gpus > 0 else 0.5
+    total = cluster.get("CPU", 0)
+    need = config.replicas * cpus + config.tokenize_concurrency * config.tokenize_num_cpus
+    if gpus == 0 and total and need > total - 1:
+        raise UsageError(
+            f"{config.replicas} replica(s) x {cpus:g} CPU + {config.tokenize_concurrency} "
+            f"tokenizer(s) x {config.tokenize_num_cpus:g} CPU leave less than 1 of the cluster's "
+            f"{total:g} CPUs for read/write tasks; lower --replicas or --cpus-per-replica")
+    if gpus > 0 and cluster and config.replicas * gpus > cluster.get("GPU", 0):
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%d replica(s) x %g GPU exceed the %g GPUs Ray sees now; the run waits for an "
+            "autoscaler to add GPU nodes", config.replicas, gpus, cluster.get("GPU", 0))
+    if (gpus, cpus) == (config.gpus_per_replica, config.cpus_per_replica):
+        return config
+    return config.replace(gpus_per_replica=gpus, cpus_per_replica=cpus)
+
+
+def _check_schema(dataset, config: ScoreConfig) -> None:
+    from dsv4batch.pipeline.tokenize import Tokenize
+
+    try:
+        schema = dataset.schema(fetch_if_missing=False)
+    except Exception:
+        schema = None
+    if schema is not None:
+        S.check_columns("score", Tokenize.spec(config).reads, list(schema.names), "dataset")
+
+
+def score(dataset, config: ScoreConfig, *, stats: Any = None):
+    """Append the scoring steps to `dataset`; returns a lazy `ray.data.Dataset` of scores.
+
+    `dataset` needs `config.text_column`, `config.id_column` (unique ids), the target and keep
+    columns when configured. `stats`: optional `StatsCollector` actor handle for throughput.
+    """
+    from ray.data import ActorPoolStrategy
+
+    from dsv4batch.actors.scoring import ScoringActor
+    from dsv4batch.pipeline.tokenize import Tokenize
+
+    if not isinstance(config, ScoreConfig):
+        raise UsageError(f"config must be a ScoreConfig, got {type(config).__name__}")
+    config = resolve(config)
+    _check_schema(dataset, config)
+    tokenized = dataset.map_batches(
+        Tokenize, fn_constructor_kwargs={"config": config, "stats": stats},
+        compute=ActorPoolStrategy(min_size=1, max_size=config.tokenize_concurrency),
+        batch_format="pyarrow", batch_size=config.tokenize_batch_size,
+        num_cpus=config.tokenize_num_cpus, zero_copy_batch=True, udf_modifying_row_count=False)
+    # blocks of batch_size rows: every actor call is one batch and batches spread over replicas
+    tokenized = tokenized.repartition(target_num_rows_per_block=config.batch_size)
+    return tokenized.map_batches(
+        ScoringActor,
+        fn_constructor_kwargs={"config": config, "stats": stats,
+                               "num_gpus": config.gpus_per_replica},
+        compute=ActorPoolStrategy(size=config.replicas,
+                                  max_tasks_in_flight_per_actor=config.batches_in_flight),
+        num_gpus=config.gpus_per_replica, num_cpus=config.cpus_per_replica,
+        batch_size=config.batch_size, batch_format="pyarrow", zero_copy_batch=True,
+        udf_modifying_row_count=False)

@@ -1,0 +1,68 @@
+"""Column contract between the pipeline steps.
+
+read -> [derive ids] -> Tokenize -> ScoringActor -> sink. Each step declares a `StageSpec`: the
+columns it needs and the ones it adds; `check_columns` turns a missing column into a message
+that lists what is available. pyarrow is imported lazily (only `output_schema` needs it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ID = "id"
+ERROR = "error"
+# internal columns from Tokenize to the scoring actor (never written)
+INPUT_IDS = "__input_ids"  # list<int32>: [bos] + tokens(prompt) [+ tokens(target)]
+NUM_SCORED = "__num_scored"  # int32: how many trailing tokens of INPUT_IDS are scored
+INTERNAL = (INPUT_IDS, NUM_SCORED)
+
+# output columns, in order (token_logprobs only with config.token_logprobs)
+SCORE_COLUMNS = ("num_tokens", "num_scored_tokens", "logprob_sum", "logprob_mean", "perplexity")
+TOKEN_LOGPROBS = "token_logprobs"
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a pipeline step reads from its input batch and what it adds to its output."""
+
+    name: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
+def output_names(token_logprobs: bool) -> list[str]:
+    return [ID, *SCORE_COLUMNS, *([TOKEN_LOGPROBS] if token_logprobs else []), ERROR]
+
+
+def output_schema(id_type, token_logprobs: bool, keep_fields=()):
+    """The schema of every written part file: `id` keeps the input's id type."""
+    import pyarrow as pa
+
+    fields = [pa.field(ID, id_type), pa.field("num_tokens", pa.int32()),
+              pa.field("num_scored_tokens", pa.int32()), pa.field("logprob_sum", pa.float64()),
+              pa.field("logprob_mean", pa.float64()), pa.field("perplexity", pa.float64())]
+    if token_logprobs:
+        fields.append(pa.field(TOKEN_LOGPROBS, pa.list_(pa.float32())))
+    fields.append(pa.field(ERROR, pa.string()))
+    return pa.schema(fields + list(keep_fields))
+
+
+def input_columns(config, available: list[str] | None = None) -> list[str]:
+    """Columns to read: text, target, id (when present or `available` is unknown), keep."""
+    cols = [config.text_column]
+    if config.target_column:
+        cols.append(config.target_column)
+    if available is None or config.id_column in available:
+        cols.append(config.id_column)
+    cols.extend(c for c in config.keep_columns if c not in cols)
+    return cols
+
+
+def check_columns(stage: str, needed, available, source: str = "input") -> None:
+    """Raise `UsageError` naming the missing columns and listing the available ones."""
+    from dsv4batch.pipeline.config import UsageError
+
+    missing = [c for c in needed if c not in available]
+    if missing:
+        raise UsageError(f"{stage}: column(s) {missing} not in the {source}; available columns: "
+                         f"{sorted(available)}")

@@ -1,0 +1,128 @@
+"""`dsv4batch score` end to end on one local Ray (started once for the module)."""
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dsv4batch.jobs.score import main
+from tests.jobs.conftest import FAST, TEXTS, read_output
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    from dsv4batch.model import DSv4Model
+
+    return DSv4Model.from_pretrained(checkpoint)
+
+
+def reference(model, prompt, target=None):
+    """Per-token logprobs of the scored tokens straight from DSv4Model.score_tokens."""
+    enc = model.tokenizer.encode
+    p = enc(prompt, add_special_tokens=False).ids
+    t = enc(target, add_special_tokens=False).ids if target is not None else None
+    lp = model.score_tokens([[model.config.bos_token_id, *p, *(t or [])]])[0]
+    return lp[-len(t):] if t is not None else lp
+
+
+def test_cli_scores_match_the_model(tmp_path, checkpoint, model):
+    src = tmp_path / "in.parquet"
+    table = pa.table({"id": np.arange(100, 100 + len(TEXTS)), "prompt": TEXTS,
+                      "source": [f"s{i}" for i in range(len(TEXTS))], "unused": list(range(len(TEXTS)))})
+    pq.write_table(table, src, row_group_size=3)
+    out = tmp_path / "out"
+    assert main(["score", str(src), str(out), "--model", checkpoint, "--token-logprobs",
+                 "--keep-columns", "source", *FAST]) == 0
+    result, metrics = read_output(out)
+    assert result.column_names == ["id", "num_tokens", "num_scored_tokens", "logprob_sum",
+                                   "logprob_mean", "perplexity", "token_logprobs", "error", "source"]
+    assert result.schema.field("id").type == pa.int64()
+    assert result.schema.field("num_tokens").type == pa.int32()
+    assert result.schema.field("token_logprobs").type == pa.list_(pa.float32())
+    rows = {r["id"]: r for r in result.to_pylist()}
+    assert sorted(rows) == table["id"].to_pylist()  # rows out == rows in, each id once
+    for i, text in zip(table["id"].to_pylist(), TEXTS):
+        r = rows[i]
+        assert r["source"] == f"s{i - 100}"
+        if text is None:
+            assert r["error"] == "null text" and r["logprob_sum"] is None
+            continue
+        ref = reference(model, text)
+        assert r["error"] is None and r["num_scored_tokens"] == len(ref) == r["num_tokens"] - 1
+        assert abs(r["logprob_sum"] - float(ref.sum(dtype=np.float64))) <= 1e-4 * max(1, len(ref))
+        np.testing.assert_allclose(r["token_logprobs"], ref, atol=1e-4)
+    # readable by Ray Data too
+    import ray
+
+    assert ray.data.read_parquet(str(out)).count() == len(TEXTS)
+    assert metrics["rows_errored"] == 1 and metrics["rows_scored"] == len(TEXTS) - 1
+    assert metrics["input_tokens"] == sum(r["num_tokens"] for r in rows.values())
+    assert metrics["num_actors"] == 1 and metrics["actors"][0]["rows"] == len(TEXTS)
+    assert metrics["tokens_per_s"] > 0 and metrics["time_s"]["forward"] > 0
+    assert metrics["num_steps"] >= 1 and metrics["peak_workspace_bytes"] > 0
+    assert metrics["time_s"]["tokenize"] > 0
+
+
+def test_cli_target_column_and_derived_ids(tmp_path, checkpoint, model):
+    src = tmp_path / "in"
+    (src / "b").mkdir(parents=True)
+    prompts = ["The capital of France is", "Two plus two equals", "", "Water boils at"]
+    targets = [" Paris.", " four.", " Hello world", " one hundred degrees Celsius " * 8]
+    pq.write_table(pa.table({"prompt": prompts[:2], "answer": targets[:2]}), src / "a.parquet")
+    pq.write_table(pa.table({"prompt": prompts[2:], "answer": targets[2:]}), src / "b" / "c.parquet")
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "--model", checkpoint, "--target-column", "answer",
+                 "--max-model-len", "40", *FAST]) == 0
+    result, _ = read_output(out)
+    rows = {r["id"]: r for r in result.to_pylist()}
+    assert sorted(rows) == ["a.parquet:0", "a.parquet:1", "b/c.parquet:0", "b/c.parquet:1"]
+    assert rows["b/c.parquet:1"]["error"].startswith("too long:")
+    for key, p, t in zip(["a.parquet:0", "a.parquet:1", "b/c.parquet:0"], prompts, targets):
+        ref = reference(model, p, t)
+        assert rows[key]["num_scored_tokens"] == len(ref)  # only the target's tokens
+        assert abs(rows[key]["logprob_sum"] - float(ref.sum(dtype=np.float64))) <= 1e-4 * len(ref)
+
+
+def test_python_api_composes_with_ray_data(checkpoint, model):
+    import ray
+
+    from ray.data.expressions import col
+
+    import dsv4batch.pipeline as pipeline
+
+    ds = ray.data.from_items([{"id": f"r{i}", "prompt": t} for i, t in enumerate(TEXTS) if t])
+    cfg = pipeline.ScoreConfig(model=checkpoint, cpus_per_replica=0.5, tokenize_num_cpus=0.25,
+                               batch_size=4)
+    scored = pipeline.score(ds, cfg).filter(expr=col("num_scored_tokens") > 0)
+    rows = {r["id"]: r for r in scored.take_all()}
+    expected = {f"r{i}": t for i, t in enumerate(TEXTS) if t}
+    assert sorted(rows) == sorted(expected)
+    for key, text in expected.items():
+        assert abs(rows[key]["logprob_sum"] - float(reference(model, text).sum())) < 1e-3
+
+
+def test_usage_errors_exit_2_before_scoring(tmp_path, capsys):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [1], "text": ["hello"]}), src)
+    assert main([str(src), str(tmp_path / "o1")]) == 2
+    assert "['prompt'] not in the input" in capsys.readouterr().err
+    out = tmp_path / "o2"
+    out.mkdir()
+    (out / "part-x-000000.parquet").write_bytes(b"")
+    assert main([str(src), str(out), "--text-column", "text"]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert os.listdir(out) == ["part-x-000000.parquet"]
+    # actors that would take every CPU (Ray Data's read/write tasks could never run): refused
+    assert main([str(src), str(tmp_path / "o3"), "--text-column", "text", "--replicas", "2"]) == 2
+    assert "leave less than 1 of the cluster's 2 CPUs" in capsys.readouterr().err

@@ -1,0 +1,42 @@
+"""Two worker nodes with one logical GPU each: `--replicas 2 --gpus-per-replica 1` puts one
+scoring actor on each node (CPU backend: there is no CUDA here) and every row is scored once."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dsv4batch.jobs.score import main
+from tests.jobs.conftest import TEXTS, read_output
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # logical CPUs: 2 per node, so 1-CPU read/write tasks still fit next to the fractional actors
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    workers = [c.add_node(num_cpus=2, num_gpus=1) for _ in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="WARNING")
+    yield c, {w.node_id for w in workers}
+    ray.shutdown()
+    c.shutdown()
+
+
+def test_one_actor_per_gpu_node(tmp_path, checkpoint, cluster):
+    c, worker_ids = cluster
+    texts = [t for t in TEXTS if t] * 3
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"row-{i}" for i in range(len(texts))], "prompt": texts}), src)
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "--model", checkpoint, "--ray-address", c.address,
+                 "--replicas", "2", "--gpus-per-replica", "1", "--cpus-per-replica", "0.25",
+                 "--tokenize-num-cpus", "0.25", "--batch-size", "2", "--no-progress"]) == 0
+    table, metrics = read_output(out)
+    assert sorted(table["id"].to_pylist()) == sorted(f"row-{i}" for i in range(len(texts)))
+    assert table["error"].null_count == table.num_rows
+    actors = metrics["actors"]
+    assert metrics["num_actors"] == 2 and {a["node_id"] for a in actors} == worker_ids
+    assert all(a["device"] == "cpu" and a["rows"] > 0 for a in actors)
+    assert sum(a["rows"] for a in actors) == len(texts) and metrics["gpus_per_replica"] == 1.0

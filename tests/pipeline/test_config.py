@@ -1,0 +1,87 @@
+"""ScoreConfig validation and the CLI generated from it (no Ray, no torch)."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from dsv4batch.jobs.cli import build_parser, parse_config
+from dsv4batch.pipeline.config import ScoreConfig, UsageError
+
+
+def test_defaults_are_valid_and_every_field_is_documented():
+    cfg = ScoreConfig()
+    for f in dataclasses.fields(cfg):
+        assert len(f.metadata["help"]) > 15, f.name
+    assert cfg.model == "tiny" and cfg.text_column == "prompt" and cfg.id_column == "id"
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"replica": 2}, "did you mean 'replicas'"),
+    ({"replicas": 0}, "must be >= 1"),
+    ({"replicas": "2"}, "expected int"),
+    ({"planner": "greedy"}, "not one of"),
+    ({"dtype": "int8"}, "not one of"),
+    ({"token_logprobs": 1}, "expected bool"),
+    ({"gpus_per_replica": -1}, "must be >= 0"),
+    ({"target_column": "prompt"}, "must differ"),
+    ({"keep_columns": ["logprob_sum"]}, "clash"),
+])
+def test_rejects_bad_values(bad, match):
+    with pytest.raises(UsageError, match=match):
+        ScoreConfig.from_dict(bad)
+
+
+def test_normalizes_and_round_trips():
+    cfg = ScoreConfig(keep_columns="a, b", gpus_per_replica=1, cpus_per_replica=1)
+    assert cfg.keep_columns == ("a", "b") and cfg.gpus_per_replica == 1.0
+    assert ScoreConfig.from_dict(cfg.to_dict()) == cfg
+    assert hash(cfg) == hash(ScoreConfig.from_dict(cfg.to_dict()))
+    assert cfg.replace(replicas=3).replicas == 3
+    with pytest.raises(UsageError):
+        cfg.replace(replicas=-1)
+
+
+def test_engine_kwargs_build_the_model_engine_config():
+    from dsv4batch.model import EngineConfig
+
+    eng = EngineConfig(**ScoreConfig(max_batched_tokens=512, prefill_chunk_size=2).engine_kwargs())
+    assert eng.max_num_batched_tokens == 512 and eng.prefill_chunk_size == 2
+    EngineConfig(**ScoreConfig().engine_kwargs())
+
+
+def test_cli_has_an_option_per_field_and_parses_them():
+    help_text = build_parser().format_help()
+    assert "score" in help_text
+    cfg = parse_config(["score", "in.parquet", "out", "--replicas", "2", "--gpus-per-replica", "0.5",
+                        "--target-column", "t", "--keep-columns", "a,b", "--token-logprobs",
+                        "--no-sort-by-length", "--planner", "fixed", "--prefill-chunk-size", "none"])
+    assert (cfg.input, cfg.output, cfg.replicas, cfg.gpus_per_replica) == ("in.parquet", "out", 2, 0.5)
+    assert cfg.keep_columns == ("a", "b") and cfg.token_logprobs and not cfg.sort_by_length
+    assert cfg.planner == "fixed" and cfg.prefill_chunk_size is None and cfg.target_column == "t"
+    # `python -m dsv4batch.jobs.score INPUT OUTPUT` (no subcommand word) means the same
+    assert parse_config(["in", "out"]) == ScoreConfig(input="in", output="out")
+    sub = build_parser()._subparsers._group_actions[0].choices["score"]
+    dests = {a.dest for a in sub._actions}
+    assert {f.name for f in dataclasses.fields(ScoreConfig)} <= dests
+
+
+def test_import_is_light():
+    code = ("import sys, dsv4batch, dsv4batch.pipeline, dsv4batch.jobs.cli, dsv4batch.jobs.score; "
+            "print(sorted(m for m in ('torch', 'ray', 'pyarrow', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["score", "/nonexistent/in.parquet", "out"], 2, "does not exist"),
+    (["score", "in.parquet", "out", "--replicas", "0"], 2, "must be >= 1"),
+    (["score", "in.parquet", "out", "--bogus"], 2, "unrecognized arguments"),
+    (["score", "--help"], 0, "--max-batched-tokens"),
+])
+def test_cli_exit_codes(argv, code, message, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dsv4batch.jobs.score", *argv], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == code, out.stderr
+    assert message in out.stdout + out.stderr
