@@ -91,15 +91,10 @@ def sparse_mla_prefill(
     *,
     d_v: Optional[int] = None,
     backend: str = "auto",
-    accum_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill: returns ``(out [s_q,h_q,d_v] q.dtype, max_logits [s_q,h_q] fp32,
     lse [s_q,h_q] fp32)``.  Shapes, dtypes and edge cases: see the module docstring; the
-    definition is :func:`dsv4batch.kernels.reference.sparse_mla_prefill_torch`.
-
-    ``accum_dtype`` (torch backend only): compute dtype of the logits, softmax and PV sums;
-    ``torch.float64`` makes each query's result independent of which other queries share its
-    call (reduction widths change rounding in fp32), i.e. batch-invariant scores."""
+    definition is :func:`dsv4batch.kernels.reference.sparse_mla_prefill_torch`."""
     check_shapes(q, kv, indices, d_v)
     if attn_sink is not None and attn_sink.numel() != q.shape[1]:
         raise ValueError(f"attn_sink must be [h_q={q.shape[1]}], got {tuple(attn_sink.shape)}")
@@ -107,4 +102,4 @@ def sparse_mla_prefill(
         raise ValueError(f"topk_length must be [s_q={q.shape[0]}], got {tuple(topk_length.shape)}")
     if _resolve(backend, q, d_v) == "flashmla":
         return _flashmla.sparse_mla_prefill_flashmla(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)
-    return sparse_mla_prefill_torch(q, kv, indices, sm_scale, attn_sink, topk_length, d_v, accum_dtype=accum_dtype)
+    return sparse_mla_prefill_torch(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)

@@ -16,6 +16,7 @@ import torch
 # which measured faster than big ones; on CUDA bigger slices mean fewer launches.
 CPU_SLICE_ELEMS = 1 << 22
 CUDA_SLICE_ELEMS = 1 << 25
+KC_ALIGN = 64
 
 
 def check_shapes(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: Optional[int]) -> None:
@@ -41,17 +42,14 @@ def sparse_mla_prefill_torch(
     topk_length: Optional[torch.Tensor] = None,
     d_v: Optional[int] = None,
     slice_elems: Optional[int] = None,
-    accum_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shapes/dtypes/edge cases: see ``sparse_mla_prefill``. ``slice_elems`` bounds one slice;
-    ``accum_dtype`` overrides the compute dtype (fp32, or fp64 for fp64 q)."""
+    """Shapes/dtypes/edge cases: see ``sparse_mla_prefill``. ``slice_elems`` bounds one slice."""
     check_shapes(q, kv, indices, d_v)
     s_q, h_q, d_qk = q.shape
     s_kv, topk = kv.shape[0], indices.shape[-1]
     d_v = d_qk if d_v is None else int(d_v)
     dev = q.device
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    cdt = accum_dtype or cdt
     inf = float("inf")
     out = torch.zeros(s_q, h_q, d_v, dtype=q.dtype, device=dev)
     max_logits = torch.full((s_q, h_q), -inf, dtype=torch.float32, device=dev)
@@ -69,8 +67,16 @@ def sparse_mla_prefill_torch(
         valid &= torch.arange(topk, device=dev) < topk_length.to(dev).reshape(s_q, 1)
     gidx = torch.where(valid, idx.long(), s_kv)
     invalid = ~valid
+    # Pad the slot axis to a multiple of KC_ALIGN with invalid slots: every slice then reduces over
+    # a multiple of KC_ALIGN columns, and trailing zero blocks leave fp32 sums bit-identical, so a
+    # query's result does not depend on which queries share its slice (batch invariance).
+    width = -(-topk // KC_ALIGN) * KC_ALIGN
+    if width != topk:
+        gidx = torch.cat([gidx, gidx.new_full((s_q, width - topk), s_kv)], 1)
+        invalid = torch.cat([invalid, invalid.new_ones(s_q, width - topk)], 1)
+        topk = width
     # Columns a slice needs: up to its last valid slot (topk_length / -1 padding trims the work).
-    ncols = (valid * torch.arange(1, topk + 1, device=dev, dtype=torch.int32)).amax(1).cpu()
+    ncols = ((~invalid) * torch.arange(1, topk + 1, device=dev, dtype=torch.int32)).amax(1).cpu()
     sink = None if attn_sink is None else attn_sink.to(dev, cdt).reshape(1, h_q)
     if slice_elems is None:
         slice_elems = CUDA_SLICE_ELEMS if dev.type == "cuda" else CPU_SLICE_ELEMS
@@ -83,6 +89,7 @@ def sparse_mla_prefill_torch(
     for a in range(0, s_q, step):
         b = min(a + step, s_q)
         n, kc = b - a, int(ncols[a:b].max())
+        kc = -(-kc // KC_ALIGN) * KC_ALIGN
         if kc == 0:  # only lonely queries: outputs keep their initial 0 / -inf / +inf
             continue
         rows = gidx[a:b, :kc].reshape(-1)

@@ -90,8 +90,7 @@ class Attention(nn.Module):
             else:
                 indices, lens = lay.static_indices(ci, chunk)
             o, _, _ = sparse_mla_prefill(q[chunk.q0:chunk.q1], ws.view(-1, 1, self.head_dim), indices.unsqueeze(1),
-                                         scale, attn_sink=self.attn_sink, topk_length=lens, backend=backend,
-                                         accum_dtype=ctx.accum_dtype)
+                                         scale, attn_sink=self.attn_sink, topk_length=lens, backend=backend)
             out[chunk.q0:chunk.q1] = o
             ctx.count_chunk(ws)
         # K = V carried RoPE: undo it on the output's rope slice at the query position.

@@ -30,9 +30,6 @@ class EngineConfig:
     sort_by_length: order requests by length before packing steps (outputs keep input order).
     logits_slice: rows of the vocabulary projection computed at once (bounds `[rows, vocab]` memory).
     attn_backend: "auto", "torch" or "flashmla" (see `dsv4batch.kernels`).
-    batch_invariant: the torch attention backend accumulates in fp64, so a request's scores do
-        not depend on which requests share its step or chunk (fp32 reduction widths otherwise
-        change the last bits); costs a few percent on CPU.
     """
 
     max_num_batched_tokens: int = 2048
@@ -42,7 +39,6 @@ class EngineConfig:
     sort_by_length: bool = True
     logits_slice: int = 256
     attn_backend: str = "auto"
-    batch_invariant: bool = True
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_model_len", "prefill_chunk_size", "logits_slice"):

@@ -44,7 +44,6 @@ class StepContext:
         self.layouts = {r: RatioLayout(starts, ends, self.cu, r, window, plans[r], device) for r in plans}
         self.cos_sin = {name: rope.cos_sin(self.positions) for name, rope in ropes.items()}
         self.comp_rope = ropes["compress"]
-        self.accum_dtype = torch.float64 if engine.batch_invariant else None
 
     def rope_for(self, ratio: int):
         """Sliding-only layers use the main RoPE; compressed layers the compress (YaRN) one."""
