@@ -16,6 +16,7 @@ import re
 import torch
 
 from .config import EngineConfig, ModelLoadError, load_config
+from .quant import SCALE_SUFFIXES, dequantize, scale_name
 
 IGNORED = re.compile(r"^mtp\.")
 ALIASES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
@@ -57,9 +58,10 @@ def load_state(model, files: list[str]) -> None:
     unknown = []
     for file in files:
         with safe_open(file, framework="pt") as fh:
-            for raw in fh.keys():
-                if IGNORED.match(raw):
-                    continue
+            names = set(fh.keys())
+            for raw in sorted(names):
+                if IGNORED.match(raw) or raw.endswith(SCALE_SUFFIXES):
+                    continue  # scales are read with their weight
                 name = canonical(raw)
                 m = EXPERT.match(name)
                 target_name = f"{m.group(1)}.{m.group(3)}" if m else name
@@ -68,6 +70,15 @@ def load_state(model, files: list[str]) -> None:
                     continue
                 target = params[target_name][int(m.group(2))] if m else params[target_name]
                 tensor = fh.get_tensor(raw)
+                scale = scale_name(raw, names)
+                if scale is not None:
+                    try:
+                        tensor = dequantize(tensor, fh.get_tensor(scale), tuple(target.shape))
+                    except ValueError as exc:
+                        raise ModelLoadError(f"tensor {raw!r}: {exc}") from exc
+                elif tensor.dtype in (torch.float8_e4m3fn, torch.int8) and target.is_floating_point():
+                    raise ModelLoadError(f"tensor {raw!r} is quantized ({tensor.dtype}) but its scale "
+                                         f"({raw[:-len('.weight')]}.scale) is not in the same shard")
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ModelLoadError(f"tensor {raw!r} in {os.path.basename(file)} has shape "
                                          f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
