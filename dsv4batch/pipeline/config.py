@@ -77,7 +77,7 @@ class ScoreConfig:
     torch_threads: int | None = _f(None, "torch intra-op threads in each actor on the CPU "
                                    "backend (None: Ray's default for the actor).",
                                    group="resources", min=1)
-    batch_size: int = _f(64, "Rows per Ray Data batch sent to an actor.", group="resources",
+    batch_size: int = _f(32, "Rows per Ray Data batch sent to an actor.", group="resources",
                          min=1)
     batches_in_flight: int = _f(2, "Batches queued per actor (>= 2 overlaps data transfer "
                                 "with compute).", group="resources", min=1)

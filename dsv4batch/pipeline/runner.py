@@ -36,6 +36,7 @@ def run(config: ScoreConfig, *, log=None) -> dict:
         raise UsageError("both INPUT and OUTPUT are required")
     info = inspect_input(config.input)
     check_input(info, config)
+    check_model(config.model)
     O.prepare_output(config.output, config.overwrite)
     run_id = uuid.uuid4().hex[:8]
     connect(config.ray_address)
@@ -66,6 +67,19 @@ def run(config: ScoreConfig, *, log=None) -> dict:
     O.write_json(config.output, O.SUCCESS, {"run_id": run_id, "rows": metrics["rows"]})
     log(format_summary(metrics))
     return metrics
+
+
+def check_model(model: str) -> None:
+    """A local checkpoint folder must hold a DeepSeek-V4 config.json (checked before Ray starts;
+    each actor still validates the weights it loads)."""
+    if model == "tiny" or "://" in model:
+        return
+    from dsv4batch.model.config import ModelLoadError, load_config
+
+    try:
+        load_config(model)
+    except ModelLoadError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _empty() -> dict:

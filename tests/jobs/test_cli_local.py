@@ -123,6 +123,9 @@ def test_usage_errors_exit_2_before_scoring(tmp_path, capsys):
     assert main([str(src), str(out), "--text-column", "text"]) == 2
     assert "not empty" in capsys.readouterr().err
     assert os.listdir(out) == ["part-x-000000.parquet"]
+    assert main([str(src), str(tmp_path / "o4"), "--text-column", "text", "--model",
+                 str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
     # actors that would take every CPU (Ray Data's read/write tasks could never run): refused
     assert main([str(src), str(tmp_path / "o3"), "--text-column", "text", "--replicas", "2"]) == 2
     assert "leave less than 1 of the cluster's 2 CPUs" in capsys.readouterr().err
