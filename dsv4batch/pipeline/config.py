@@ -108,6 +108,9 @@ class ScoreConfig:
                 raise UsageError(f"config field {f.name!r}: must be >= {lo}, got {value!r}")
         if self.target_column is not None and self.target_column == self.text_column:
             raise UsageError("target_column must differ from text_column")
+        if self.id_column in self.keep_columns:
+            raise UsageError(f"keep_columns: the id column {self.id_column!r} is always written "
+                             "(as 'id'); do not list it")
         from dsv4batch.pipeline.schema import output_names
         clash = set(self.keep_columns) & set(output_names(True))
         if clash:

@@ -15,6 +15,8 @@ from tests.jobs.conftest import FAST, TEXTS, read_output
 def local_ray():
     import ray
 
+    if ray.is_initialized():  # one Ray per module: never inherit another module's
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
@@ -129,3 +131,30 @@ def test_usage_errors_exit_2_before_scoring(tmp_path, capsys):
     # actors that would take every CPU (Ray Data's read/write tasks could never run): refused
     assert main([str(src), str(tmp_path / "o3"), "--text-column", "text", "--replicas", "2"]) == 2
     assert "leave less than 1 of the cluster's 2 CPUs" in capsys.readouterr().err
+
+
+def test_collector_progress_and_actor_metrics(capsys):
+    import ray
+
+    from dsv4batch.actors.telemetry import ActorTelemetry
+    from dsv4batch.pipeline.metrics import start_collector
+    from dsv4batch.pipeline.progress import Progress
+
+    stats = {"t_start": 1.0, "t_end": 2.0, "busy_s": 1.0, "rows": 4, "rows_scored": 3,
+             "rows_errored": 1, "input_tokens": 40, "scored_tokens": 36, "forward_s": 0.9,
+             "planner_s": 0.01, "num_steps": 2, "num_chunks": 4, "peak_workspace_bytes": 10,
+             "model_calls": 1}
+    telemetry = ActorTelemetry("test")
+    assert telemetry.enabled
+    telemetry.record(stats)  # counters + step-latency histogram through ray.util.metrics
+    collector = start_collector()
+    collector.register_actor.remote({"actor_id": "a1", "node_id": "n1", "device": "cpu"})
+    collector.record_batch.remote("a1", stats)
+    with Progress(collector, total=4, poll_s=0.05, log_every=0.0):
+        import time
+
+        time.sleep(0.5)
+    assert "[dsv4batch] 4/4 rows  40 tokens" in capsys.readouterr().err
+    snap = ray.get(collector.snapshot.remote())
+    assert snap["actors"][0]["rows"] == 4 and snap["actors"][0]["num_steps"] == 2
+    ray.kill(collector)

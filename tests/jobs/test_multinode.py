@@ -14,6 +14,8 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    if ray.is_initialized():  # one Ray per module: never inherit another module's
+        ray.shutdown()
     # logical CPUs: 2 per node, so 1-CPU read/write tasks still fit next to the fractional actors
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     workers = [c.add_node(num_cpus=2, num_gpus=1) for _ in range(2)]

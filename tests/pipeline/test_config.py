@@ -27,6 +27,7 @@ def test_defaults_are_valid_and_every_field_is_documented():
     ({"gpus_per_replica": -1}, "must be >= 0"),
     ({"target_column": "prompt"}, "must differ"),
     ({"keep_columns": ["logprob_sum"]}, "clash"),
+    ({"keep_columns": ["key"], "id_column": "key"}, "always written"),
 ])
 def test_rejects_bad_values(bad, match):
     with pytest.raises(UsageError, match=match):

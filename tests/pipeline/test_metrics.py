@@ -1,0 +1,41 @@
+"""The `_metrics.json` summary from collector snapshots and sink counts (pure functions)."""
+
+from dsv4batch.pipeline.metrics import StatsCollector, format_summary, summarize
+
+
+def batch(t0, rows, tokens, **kw):
+    return {"t_start": t0, "t_end": t0 + 1.0, "busy_s": 1.0, "rows": rows, "rows_scored": rows,
+            "rows_errored": 0, "input_tokens": tokens, "scored_tokens": tokens - rows,
+            "forward_s": 0.8, "planner_s": 0.1, "num_steps": 2, "num_chunks": 3,
+            "peak_workspace_bytes": kw.get("peak", 100), "model_calls": 1}
+
+
+def test_summary_overall_and_per_actor():
+    c = StatsCollector()
+    c.register_actor({"actor_id": "b", "node_id": "n2", "device": "cpu", "load_s": 2.0})
+    c.register_actor({"actor_id": "a", "node_id": "n1", "device": "cuda", "load_s": 3.0})
+    c.record_batch("a", batch(10.0, 4, 100))
+    c.record_batch("a", batch(11.0, 4, 100, peak=500))
+    c.record_batch("b", batch(10.5, 2, 50))
+    c.record_tokenize(10, 0.5)
+    written = {"rows": 10, "rows_errored": 1, "input_tokens": 250, "scored_tokens": 240,
+               "files": ["part-x-000000.parquet"]}
+    m = summarize(c.snapshot(), written, wall_s=5.0, extra={"run_id": "x"})
+    assert (m["rows"], m["rows_scored"], m["rows_errored"]) == (10, 9, 1)
+    assert m["tokens_per_s"] == 50.0 and m["rows_per_s"] == 2.0 and m["active_s"] == 2.0
+    assert m["active_tokens_per_s"] == 125.0 and m["num_actors"] == 2
+    assert m["time_s"]["tokenize"] == 0.5 and m["time_s"]["forward"] == 2.4
+    assert m["time_s"]["model_load_max"] == 3.0
+    assert m["num_steps"] == 6 and m["num_chunks"] == 9 and m["peak_workspace_bytes"] == 500
+    a = m["actors"][0]
+    assert (a["actor_id"], a["rows"], a["batches"], a["active_s"]) == ("a", 8, 2, 2.0)
+    assert a["tokens_per_s"] == 100.0 and a["device"] == "cuda"
+    assert m["run_id"] == "x" and m["files"] == ["part-x-000000.parquet"]
+    assert "actor a" in format_summary(m)
+
+
+def test_summary_of_an_empty_run():
+    m = summarize(StatsCollector().snapshot(), {"rows": 0, "rows_errored": 0, "input_tokens": 0,
+                                                "scored_tokens": 0}, wall_s=1.0)
+    assert m["rows"] == 0 and m["tokens_per_s"] == 0.0 and m["actors"] == []
+    format_summary(m)
