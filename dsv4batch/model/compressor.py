@@ -90,10 +90,10 @@ class Indexer(nn.Module):
         ent = torch.arange(num_entries, device=q.device)
         for a in range(0, s, self.max_query_slice):
             b = min(a + self.max_query_slice, s)
-            # same op order as transformers' DeepseekV4IndexerScorer, so near-ties break alike
-            scores = torch.relu(torch.matmul(pad_rows(q[a:b]), keys_t)[: b - a]) * self.dim ** -0.5  # [s, h, E]
-            scores = (scores * w[a:b].unsqueeze(-1)).sum(dim=1)
+            scores = torch.matmul(pad_rows(q[a:b]), keys_t)[: b - a].relu_()            # [s, h, E]
+            # sum_h w[t, h] * relu(.) as one batched [1, h] x [h, E] product: one pass over scores
+            scores = torch.bmm((w[a:b] * self.dim ** -0.5).unsqueeze(1), scores).squeeze(1)
             visible = (positions[a:b] + 1) // self.ratio
-            scores = scores.masked_fill(ent[None, :] >= visible[:, None], float("-inf"))
+            scores.masked_fill_(ent[None, :] >= visible[:, None], float("-inf"))
             out[a:b, :k] = scores.topk(k, dim=-1).indices
         return out
