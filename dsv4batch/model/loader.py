@@ -102,6 +102,13 @@ def load_state(model, files: list[str]) -> None:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
+def build_empty(cls, config, engine):
+    """The module tree without running default initialisers (every tensor is loaded next)."""
+    with torch.device("meta"):
+        model = cls(config, engine)
+    return model.to_empty(device="cpu")
+
+
 def load_model(cls, path_or_name: str, *, device="cpu", dtype=torch.float32, engine: EngineConfig | None = None):
     """Build `cls` from a checkpoint folder or the embedded 'tiny', on `device` in `dtype`."""
     from .tokenizer import load_tokenizer
@@ -109,7 +116,7 @@ def load_model(cls, path_or_name: str, *, device="cpu", dtype=torch.float32, eng
     if path_or_name == "tiny":
         from .tiny import tiny_config, tiny_state
 
-        model = cls(tiny_config(), engine)
+        model = build_empty(cls, tiny_config(), engine)
         with torch.no_grad():
             for name, tensor in tiny_state(model).items():
                 model.get_parameter(name).copy_(tensor) if name in dict(model.named_parameters()) \
@@ -117,7 +124,7 @@ def load_model(cls, path_or_name: str, *, device="cpu", dtype=torch.float32, eng
         tok_path = None
     else:
         config = load_config(path_or_name)
-        model = cls(config, engine)
+        model = build_empty(cls, config, engine)
         load_state(model, safetensors_files(path_or_name))
         tok_path = path_or_name if os.path.isfile(os.path.join(path_or_name, "tokenizer.json")) else None
     keep_fp32 = re.compile(r"(norm|hc_|attn_sink|ape|gate\.bias)")

@@ -64,7 +64,8 @@ class DSv4Model(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * hidden))
         self.hc_head_base = nn.Parameter(torch.zeros(hc))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
-        rotary = DeepseekV4RotaryEmbedding(config)  # reuse transformers' (YaRN) inverse frequencies
+        with torch.device("cpu"):  # real tensors even when the loader builds the rest on "meta"
+            rotary = DeepseekV4RotaryEmbedding(config)  # reuse transformers' (YaRN) inverse frequencies
         self.ropes = {name: Rope(getattr(rotary, f"{name}_inv_freq"), getattr(rotary, f"{name}_attention_scaling"))
                       for name in ("main", "compress")}
         self.ratios = sorted({layer.ratio for layer in self.layers})
