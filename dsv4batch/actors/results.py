@@ -17,8 +17,8 @@ def read_requests(batch):
     return ids, scored, batch[S.ERROR].to_pylist()
 
 
-def build_output(batch, lengths, scored, logprobs, errors, token_logprobs: bool, keep_columns):
-    """Output table in `schema.output_schema` order.
+def build_output(batch, lengths, scored, logprobs, errors, config):
+    """Output table in `schema.output_schema` order for `config` (a `ScoreConfig`).
 
     lengths[i]: tokens fed for row i (0 when errored); logprobs[i]: the row's scored log-probs
     (a float32 array of length scored[i]) or None when the row has an error.
@@ -46,12 +46,14 @@ def build_output(batch, lengths, scored, logprobs, errors, token_logprobs: bool,
         "logprob_mean": pa.array(means, mask=~has_mean),
         "perplexity": pa.array(ppl, mask=~has_mean),
     }
-    if token_logprobs:
+    if config.token_logprobs:
         cols[S.TOKEN_LOGPROBS] = pa.array(
             [lp.astype(np.float32) if v else None for lp, v in zip(logprobs, valid)],
             pa.list_(pa.float32()))
+    if config.truncate != "none":  # tokens dropped to fit max_model_len (0: the row fit)
+        cols[S.TRUNCATED] = batch[S.NUM_TRUNCATED]
     cols[S.ERROR] = pa.array(errors, pa.string())
-    for c in keep_columns:
+    for c in config.keep_columns:
         cols[c] = batch[c]
     return pa.table(cols)
 

@@ -14,7 +14,7 @@ import typing
 from dsv4batch.pipeline.config import ScoreConfig
 
 GROUPS = {"model": "model", "scoring": "columns and scoring", "engine": "engine",
-          "resources": "resources and Ray Data", "run": "run"}
+          "resources": "resources and Ray Data", "faults": "fault tolerance", "run": "run"}
 POSITIONAL = ("input", "output")
 
 
@@ -48,9 +48,10 @@ def build_parser(prog: str = "dsv4batch") -> argparse.ArgumentParser:
             continue
         flag = "--" + f.name.replace("_", "-")
         group = groups[f.metadata["group"]]
-        kw = {"dest": f.name, "default": argparse.SUPPRESS,
-              "help": f.metadata["help"] + ("" if f.default in (None, (), False) else
-                                            f" Default: {f.default}.")}
+        text = f.metadata["help"] + ("" if f.default in (None, (), False) else
+                                     f" Default: {f.default}.")
+        # argparse %-formats help strings: a literal '%' must be doubled
+        kw = {"dest": f.name, "default": argparse.SUPPRESS, "help": text.replace("%", "%%")}
         kind = _scalar(hints[f.name])
         if kind is bool:
             action = (argparse.BooleanOptionalAction if f.default else "store_true")
@@ -66,7 +67,8 @@ def build_parser(prog: str = "dsv4batch") -> argparse.ArgumentParser:
 
 
 def _help(name: str) -> str:
-    return next(f.metadata["help"] for f in dataclasses.fields(ScoreConfig) if f.name == name)
+    return next(f.metadata["help"] for f in dataclasses.fields(ScoreConfig)
+                if f.name == name).replace("%", "%%")
 
 
 def parse_config(argv: list[str], prog: str = "dsv4batch") -> ScoreConfig:

@@ -16,6 +16,7 @@ from typing import Any
 from dsv4batch.model.config import PLANNERS  # light module: no torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRUNCATE = ("none", "left", "right")
 
 
 class UsageError(ValueError):
@@ -37,6 +38,10 @@ class ScoreConfig:
                             group="run")
     overwrite: bool = _f(False, "Replace the files of a previous run in OUTPUT (only files "
                          "dsv4batch wrote; anything else makes the run refuse).", group="run")
+    resume: bool = _f(False, "Continue the run in OUTPUT: rows whose id its part files already "
+                      "hold are skipped, the rest is scored into new part files. Refused when "
+                      "the model, columns or scoring options differ from OUTPUT/_job.json.",
+                      group="run")
     ray_address: str | None = _f(None, "Ray cluster to join (e.g. 'auto', 'ray://host:10001'); "
                                  "default: RAY_ADDRESS, else start a local Ray.", group="run")
     progress: bool = _f(True, "Show live progress (rows, tokens/s) on stderr.", group="run")
@@ -54,6 +59,9 @@ class ScoreConfig:
     keep_columns: tuple[str, ...] = _f((), "Input columns to carry through to the output "
                                        "(comma-separated on the CLI).")
     token_logprobs: bool = _f(False, "Also write token_logprobs (list<float32>) per row.")
+    truncate: str = _f("none", "Rows longer than max_model_len tokens: 'none' answers them with "
+                       "an error, 'left' drops their first tokens (bos stays), 'right' their "
+                       "last; column truncated_tokens counts what was dropped.", choices=TRUNCATE)
     # -- engine (DSv4Model EngineConfig)
     max_batched_tokens: int = _f(2048, "Query tokens per forward step; long requests span "
                                  "steps, short ones share one.", group="engine", min=1)
@@ -88,6 +96,21 @@ class ScoreConfig:
                                    group="resources", min=1)
     num_blocks: int | None = _f(None, "Read blocks (Ray Data override_num_blocks); None: Ray "
                                 "Data's choice.", group="resources", min=1)
+    # -- faults
+    max_errored_rows: int | None = _f(None, "Most rows whose scoring failed (a batch that kept "
+                                      "failing, an engine error) before the job stops (exit 1); "
+                                      "input problems such as null or too-long text are answers "
+                                      "and do not count. None: 0.1% of the rows to score, rounded "
+                                      "up (the Python API: unlimited).", group="faults", min=0)
+    max_batch_attempts: int = _f(3, "Attempts at a batch (actor crashes and engine exceptions "
+                                 "included) before its rows get an error instead of a score.",
+                                 group="faults", min=1)
+    max_actor_restarts: int = _f(4, "Times Ray restarts a scoring actor whose process died "
+                                 "(crash, OOM kill, lost node), its batches retried on the new "
+                                 "one; then the job stops (resume it). -1: unlimited, which also "
+                                 "restarts an actor that dies while loading the model forever. "
+                                 "A model that raises while loading stops the job at once.",
+                                 group="faults", min=-1)
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_columns, (list, str)):
@@ -106,13 +129,16 @@ class ScoreConfig:
                 raise UsageError(f"config field {f.name!r}: {value!r} is not one of {choices}")
             if lo is not None and value is not None and value < lo:
                 raise UsageError(f"config field {f.name!r}: must be >= {lo}, got {value!r}")
+        if self.resume and self.overwrite:
+            raise UsageError("--resume continues the run in OUTPUT, --overwrite replaces it: "
+                             "give one of them")
         if self.target_column is not None and self.target_column == self.text_column:
             raise UsageError("target_column must differ from text_column")
         if self.id_column in self.keep_columns:
             raise UsageError(f"keep_columns: the id column {self.id_column!r} is always written "
                              "(as 'id'); do not list it")
         from dsv4batch.pipeline.schema import output_names
-        clash = set(self.keep_columns) & set(output_names(True))
+        clash = set(self.keep_columns) & set(output_names(True, True))
         if clash:
             raise UsageError(f"keep_columns {sorted(clash)} clash with output columns; rename "
                              "them in the input")
@@ -147,7 +173,7 @@ class ScoreConfig:
     def result_fields(self) -> dict[str, Any]:
         """The fields that change what a row's output is (recorded per run, checked on resume)."""
         keys = ("model", "dtype", "text_column", "target_column", "id_column", "keep_columns",
-                "token_logprobs", "max_model_len")
+                "token_logprobs", "max_model_len", "truncate")
         return {k: v for k, v in self.to_dict().items() if k in keys}
 
 

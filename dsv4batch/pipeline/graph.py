@@ -10,6 +10,7 @@ and a row that cannot be scored carries an `error` instead of being dropped.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from dsv4batch.pipeline import schema as S
@@ -65,17 +66,24 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None):
     """Append the scoring steps to `dataset`; returns a lazy `ray.data.Dataset` of scores.
 
     `dataset` needs `config.text_column`, `config.id_column` (unique ids), the target and keep
-    columns when configured. `stats`: optional `StatsCollector` actor handle for throughput.
+    columns when configured. `stats`: the `StatsCollector` actor handle for throughput and the
+    batch ledger; one is started when none is given (then `max_errored_rows` None: no limit).
+    The dataset's DataContext gets the fault settings of `cluster.fault_settings`.
     """
     from ray.data import ActorPoolStrategy
 
     from dsv4batch.actors.scoring import ScoringActor
+    from dsv4batch.pipeline.cluster import fault_settings
+    from dsv4batch.pipeline.metrics import start_collector
     from dsv4batch.pipeline.tokenize import Tokenize
 
     if not isinstance(config, ScoreConfig):
         raise UsageError(f"config must be a ScoreConfig, got {type(config).__name__}")
     config = resolve(config)
     _check_schema(dataset, config)
+    fault_settings(dataset.context)
+    if stats is None:
+        stats = start_collector(config.max_errored_rows)
     tokenized = dataset.map_batches(
         Tokenize, fn_constructor_kwargs={"config": config, "stats": stats},
         compute=ActorPoolStrategy(min_size=1, max_size=config.tokenize_concurrency),
@@ -83,12 +91,20 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None):
         num_cpus=config.tokenize_num_cpus, zero_copy_batch=True, udf_modifying_row_count=False)
     # blocks of batch_size rows: every actor call is one batch and batches spread over replicas
     tokenized = tokenized.repartition(target_num_rows_per_block=config.batch_size)
-    return tokenized.map_batches(
-        ScoringActor,
-        fn_constructor_kwargs={"config": config, "stats": stats,
-                               "num_gpus": config.gpus_per_replica},
-        compute=ActorPoolStrategy(size=config.replicas,
-                                  max_tasks_in_flight_per_actor=config.batches_in_flight),
-        num_gpus=config.gpus_per_replica, num_cpus=config.cpus_per_replica,
-        batch_size=config.batch_size, batch_format="pyarrow", zero_copy_batch=True,
-        udf_modifying_row_count=False)
+    with warnings.catch_warnings():
+        # Ray 2.60 takes max_restarts/max_task_retries only as **ray_remote_args (deprecated,
+        # with no named replacement yet); they are set explicitly, not left to Ray Data's
+        # defaults, because its max_restarts=-1 restarts an actor that dies while loading the
+        # model forever. Task retries are unbounded: the ledger answers a batch itself once it
+        # used max_batch_attempts.
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return tokenized.map_batches(
+            ScoringActor,
+            fn_constructor_kwargs={"config": config, "stats": stats,
+                                   "num_gpus": config.gpus_per_replica},
+            compute=ActorPoolStrategy(size=config.replicas,
+                                      max_tasks_in_flight_per_actor=config.batches_in_flight),
+            num_gpus=config.gpus_per_replica, num_cpus=config.cpus_per_replica,
+            batch_size=config.batch_size, batch_format="pyarrow", zero_copy_batch=True,
+            udf_modifying_row_count=False, max_restarts=config.max_actor_restarts,
+            max_task_retries=-1)

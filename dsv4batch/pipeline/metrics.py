@@ -3,7 +3,8 @@
 Scoring actors push one small dict per batch and tokenize tasks one per batch
 (fire-and-forget); the driver polls `snapshot()` for live progress and builds the summary
 (`_metrics.json`) at the end. Row and token totals in the summary come from what the sink
-wrote, so a retried batch is never counted twice; timings come from the collector.
+wrote, so a retried batch is never counted twice; timings come from the collector. The same
+actor keeps the batch ledger (`dsv4batch.pipeline.ledger`): attempts and failed rows.
 """
 
 from __future__ import annotations
@@ -11,23 +12,32 @@ from __future__ import annotations
 import time
 from typing import Any
 
-_SUMS = ("batches", "rows", "rows_scored", "rows_errored", "input_tokens", "scored_tokens",
-         "busy_s", "forward_s", "planner_s", "num_steps", "num_chunks", "model_calls")
+from dsv4batch.pipeline.ledger import BatchLedger
+
+_SUMS = ("batches", "rows", "rows_scored", "rows_errored", "rows_failed", "input_tokens",
+         "scored_tokens", "busy_s", "forward_s", "planner_s", "num_steps", "num_chunks",
+         "model_calls")
 
 
-class StatsCollector:
-    def __init__(self):
+class StatsCollector(BatchLedger):
+    def __init__(self, max_failed_rows: int | None = None):
+        super().__init__(max_failed_rows)
         self.actors: dict[str, dict[str, Any]] = {}
         self.tokenize = {"batches": 0, "rows": 0, "seconds": 0.0}
 
     def _actor(self, actor_id: str) -> dict[str, Any]:
         if actor_id not in self.actors:
             self.actors[actor_id] = {"actor_id": actor_id, **{k: 0 for k in _SUMS},
-                                     "peak_workspace_bytes": 0, "t_first": None, "t_last": None}
+                                     "peak_workspace_bytes": 0, "t_first": None, "t_last": None,
+                                     "pids": []}
         return self.actors[actor_id]
 
     def register_actor(self, info: dict[str, Any]) -> None:
-        self._actor(info["actor_id"]).update(info)
+        """Called by each scoring actor process once its model is loaded (again after a
+        restart: Ray keeps the actor id, the process id changes)."""
+        a = self._actor(info["actor_id"])
+        a.update(info)
+        a["pids"].append(info.get("pid"))
 
     def record_batch(self, actor_id: str, stats: dict[str, Any]) -> None:
         a = self._actor(actor_id)
@@ -45,15 +55,16 @@ class StatsCollector:
         self.tokenize["seconds"] += seconds
 
     def snapshot(self) -> dict[str, Any]:
-        return {"actors": [dict(a) for a in self.actors.values()],
-                "tokenize": dict(self.tokenize), "time": time.time()}
+        return {"actors": [{**a, "pids": list(a["pids"])} for a in self.actors.values()],
+                "tokenize": dict(self.tokenize), "ledger": self.ledger_snapshot(),
+                "time": time.time()}
 
 
-def start_collector():
+def start_collector(max_failed_rows: int | None = None):
     """The collector as a zero-CPU Ray actor (Ray must be initialized)."""
     import ray
 
-    return ray.remote(num_cpus=0, max_restarts=-1)(StatsCollector).remote()
+    return ray.remote(num_cpus=0, max_restarts=-1)(StatsCollector).remote(max_failed_rows)
 
 
 def _rate(x: float, s: float) -> float:
@@ -72,6 +83,7 @@ def summarize(snapshot: dict, written: dict, wall_s: float, extra: dict | None =
         per_actor.append({
             "actor_id": a["actor_id"], "node_id": a.get("node_id"), "device": a.get("device"),
             "dtype": a.get("dtype"), "load_s": round(a.get("load_s", 0.0), 3),
+            "pids": a.get("pids", []), "restarts": max(len(a.get("pids", [])) - 1, 0),
             "batches": a["batches"], "rows": a["rows"], "input_tokens": a["input_tokens"],
             "scored_tokens": a["scored_tokens"], "busy_s": round(a["busy_s"], 3),
             "active_s": round(span, 3), "tokens_per_s": _rate(a["input_tokens"], span),
@@ -81,7 +93,9 @@ def summarize(snapshot: dict, written: dict, wall_s: float, extra: dict | None =
     tok = snapshot["tokenize"]
     return {
         "rows": written["rows"], "rows_scored": written["rows"] - written["rows_errored"],
-        "rows_errored": written["rows_errored"], "input_tokens": written["input_tokens"],
+        "rows_errored": written["rows_errored"],
+        "rows_failed": snapshot.get("ledger", {}).get("failed_rows", 0),
+        "input_tokens": written["input_tokens"],
         "scored_tokens": written["scored_tokens"], "wall_s": round(wall_s, 3),
         "tokens_per_s": _rate(written["input_tokens"], wall_s),
         "scored_tokens_per_s": _rate(written["scored_tokens"], wall_s),
@@ -96,12 +110,15 @@ def summarize(snapshot: dict, written: dict, wall_s: float, extra: dict | None =
         "num_steps": sum(a["num_steps"] for a in actors),
         "num_chunks": sum(a["num_chunks"] for a in actors),
         "peak_workspace_bytes": max((a["peak_workspace_bytes"] for a in actors), default=0),
+        "faults": {k: v for k, v in snapshot.get("ledger", {}).items() if k != "stop"},
         "num_actors": len(actors), "actors": per_actor, "files": written.get("files", []),
         **(extra or {})}
 
 
 def format_summary(m: dict) -> str:
-    lines = [f"rows {m['rows']} (scored {m['rows_scored']}, errors {m['rows_errored']})  "
+    skipped = f"  skipped {m['rows_skipped']} already in OUTPUT" if m.get("rows_skipped") else ""
+    lines = [f"rows {m['rows']} (scored {m['rows_scored']}, errors {m['rows_errored']}, of "
+             f"which failed scoring {m.get('rows_failed', 0)}){skipped}  "
              f"tokens {m['input_tokens']} (scored {m['scored_tokens']})",
              f"wall {m['wall_s']:.1f}s  {m['tokens_per_s']:.0f} tok/s  {m['rows_per_s']:.1f} "
              f"rows/s  (while actors ran: {m['active_tokens_per_s']:.0f} tok/s)",
@@ -109,7 +126,8 @@ def format_summary(m: dict) -> str:
              + f"  steps {m['num_steps']}  chunks {m['num_chunks']}  peak workspace "
              f"{m['peak_workspace_bytes'] / 2**20:.1f} MiB"]
     for a in m["actors"]:
+        restarts = f"  restarts {a['restarts']}" if a.get("restarts") else ""
         lines.append(f"  actor {a['actor_id'][:12]} node {str(a['node_id'])[:12]} {a['device']}: "
                      f"{a['rows']} rows  {a['tokens_per_s']:.0f} tok/s  {a['rows_per_s']:.1f} "
-                     f"rows/s  busy {a['busy_s']:.1f}s")
+                     f"rows/s  busy {a['busy_s']:.1f}s{restarts}")
     return "\n".join(lines)

@@ -1,8 +1,10 @@
 """Input discovery and the streaming Parquet read (only the columns the pipeline needs).
 
 `inspect_input` resolves INPUT (file, folder or glob; local or any pyarrow filesystem URI) to
-its Parquet files, schema and row count from the footers, and `check_input` validates the
-configured columns against that schema, so a bad path or column is reported before Ray starts.
+its Parquet files, schemas and row counts from the footers (a file whose footer cannot be read
+is named), and `check_input` validates the configured columns against every distinct schema,
+so a bad path, file or column is reported before Ray starts. `read` streams the needed columns;
+on `--resume` it reads only files with rows still to score and drops the rows already written.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class InputInfo:
     files: list[str]
     schema: Any  # pyarrow.Schema of the first file
     num_rows: int | None
+    file_rows: list[int] | None = None  # rows per file (None when the footers were not read)
+    schemas: dict | None = None  # distinct schema -> first file that has it
 
 
 def _list(fs, base: str, pattern: str | None) -> list[str]:
@@ -73,36 +77,56 @@ def inspect_input(path: str) -> InputInfo:
         schema = pq.read_schema(files[0], filesystem=fs)
     except Exception as exc:
         raise UsageError(f"cannot read Parquet file {files[0]!r}: {exc}") from exc
-    num_rows = None
+    num_rows, file_rows, schemas = None, None, {schema: files[0]}
     if len(files) <= MAX_FOOTERS:
         from concurrent.futures import ThreadPoolExecutor
 
-        def rows(f: str) -> int:
+        def footer(f: str):
             try:
                 with fs.open_input_file(f) as fh:
-                    return pq.ParquetFile(fh).metadata.num_rows
+                    pf = pq.ParquetFile(fh)
+                    return pf.metadata.num_rows, pf.schema_arrow
             except Exception as exc:
                 raise UsageError(f"cannot read Parquet file {f!r}: {exc}") from exc
 
         with ThreadPoolExecutor(16) as pool:
-            num_rows = sum(pool.map(rows, files))
-    return InputInfo(path, fs, root, files, schema, num_rows)
+            footers = list(pool.map(footer, files))
+        file_rows = [n for n, _ in footers]
+        num_rows = sum(file_rows)
+        for f, (_, sch) in zip(files, footers):
+            schemas.setdefault(sch, f)
+    return InputInfo(path, fs, root, files, schema, num_rows, file_rows, schemas)
+
+
+_TEXT_TYPES = ("is_string", "is_large_string", "is_string_view", "is_binary", "is_large_binary")
+_ID_TYPES = ("is_integer", "is_string", "is_large_string", "is_binary", "is_large_binary")
+
+
+def _is(t, kinds) -> bool:
+    import pyarrow as pa
+
+    return any(getattr(pa.types, k)(t) for k in kinds)
 
 
 def check_input(info: InputInfo, config: ScoreConfig) -> None:
-    """Columns exist and text/target are strings; raises `UsageError` otherwise."""
-    import pyarrow as pa
-
-    names = info.schema.names
-    needed = S.input_columns(config, names)
-    if config.id_column != "id" and config.id_column not in names:
-        needed.append(config.id_column)  # an explicitly named id column must exist
-    S.check_columns("read", needed, names, f"input {info.path!r}")
-    for col in filter(None, (config.text_column, config.target_column)):
-        t = info.schema.field(col).type
-        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
-                or pa.types.is_large_binary(t) or pa.types.is_string_view(t)):
-            raise UsageError(f"column {col!r} has type {t}; expected a string column")
+    """Columns exist in every file; text/target are strings, ids integers or strings."""
+    for schema, file in (info.schemas or {info.schema: info.files[0]}).items():
+        where = f"input {info.path!r}" if file == info.files[0] else f"input file {file!r}"
+        names = schema.names
+        needed = S.input_columns(config, info.schema.names)
+        if config.id_column != "id" and config.id_column not in needed:
+            needed.append(config.id_column)  # an explicitly named id column must exist
+        S.check_columns("read", needed, names, where)
+        for col in filter(None, (config.text_column, config.target_column)):
+            t = schema.field(col).type
+            if not _is(t, _TEXT_TYPES):
+                raise UsageError(f"column {col!r} has type {t} in {where}; expected a string "
+                                 "column (binary is read as UTF-8)")
+        if config.id_column in names:
+            t = schema.field(config.id_column).type
+            if not _is(t, _ID_TYPES):
+                raise UsageError(f"id column {config.id_column!r} has type {t} in {where}; "
+                                 "expected integers or strings")
 
 
 def derive_ids(batch, root: str, id_column: str):
@@ -111,17 +135,31 @@ def derive_ids(batch, root: str, id_column: str):
     return DeriveIds(root, id_column)(batch)
 
 
-def read(config: ScoreConfig, info: InputInfo):
-    """`ray.data.read_parquet` of the needed columns; derives ids when the input has none."""
+def read(config: ScoreConfig, info: InputInfo, pending=None):
+    """`ray.data.read_parquet` of the needed columns; derives ids when the input has none.
+
+    `pending` (a `rowset.Pending` from the id scan on --resume): only its files are read, and
+    rows already in OUTPUT are dropped before anything else runs.
+    """
     import ray
 
     names = info.schema.names
     derive = config.id_column not in names
-    ds = ray.data.read_parquet(info.files, filesystem=info.filesystem,
-                               columns=S.input_columns(config, names), include_paths=derive,
-                               include_row_hash=derive, override_num_blocks=config.num_blocks)
+    files = info.files if pending is None else pending.files
+    located = derive or pending is not None
+    ds = ray.data.read_parquet(files, filesystem=info.filesystem,
+                               columns=S.input_columns(config, names), include_paths=located,
+                               include_row_hash=located, override_num_blocks=config.num_blocks)
+    if pending is not None and pending.done:
+        from dsv4batch.pipeline.rowset import keep_pending
+
+        ds = ds.map_batches(keep_pending, fn_kwargs={"done": pending.done},
+                            batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
+                            udf_modifying_row_count=True)
     if derive:
         ds = ds.map_batches(derive_ids, fn_kwargs={"root": info.root, "id_column": config.id_column},
                             batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
                             udf_modifying_row_count=False)
+    elif located:
+        ds = ds.drop_columns(["path", "row_hash"])
     return ds

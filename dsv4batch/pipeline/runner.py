@@ -1,12 +1,16 @@
-"""The whole `dsv4batch score` job: validate, read, score, write, account for every row.
+"""`run(config)`: the whole `dsv4batch score` job.
 
-Order matters for the user: paths, columns and OUTPUT are checked before Ray starts (a
-`UsageError` is exit code 2), `_job.json` is written before scoring, `_metrics.json` and
-`_SUCCESS` only after the written row count equals the input's.
+Every check that can fail without scoring runs first, before Ray starts (INPUT files, columns
+and types, the model folder, OUTPUT writable, the recorded configuration on --resume), then the
+Ray Data id scan (duplicate ids; on --resume the rows already written), then the scoring graph
+into the part-file sink. `_job.json` is written before scoring, `_metrics.json` and `_SUCCESS`
+only after OUTPUT's part files hold exactly one row per input row. An input with nothing to
+score (empty, or every row already written) finishes without starting the pipeline.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import uuid
@@ -20,16 +24,15 @@ class RowCountError(RuntimeError):
     """The written rows do not match the input rows (the row contract is broken)."""
 
 
+class JobFailed(RuntimeError):
+    """The job stopped; the message says why and what is in OUTPUT."""
+
+
 def run(config: ScoreConfig, *, log=None) -> dict:
     """Run a scoring job; returns the metrics document also written to `_metrics.json`."""
-    import ray
-
-    from dsv4batch.pipeline.cluster import configure_data_context, connect
-    from dsv4batch.pipeline.graph import resolve, score
-    from dsv4batch.pipeline.metrics import format_summary, start_collector, summarize
-    from dsv4batch.pipeline.progress import Progress
-    from dsv4batch.pipeline.read import check_input, inspect_input, read
-    from dsv4batch.pipeline.sink import ParquetPartSink
+    from dsv4batch.pipeline.modelcheck import check_model
+    from dsv4batch.pipeline.read import check_input, inspect_input
+    from dsv4batch.pipeline.resume import Parts, check_config, finished_parts
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if not config.input or not config.output:
@@ -37,50 +40,135 @@ def run(config: ScoreConfig, *, log=None) -> dict:
     info = inspect_input(config.input)
     check_input(info, config)
     check_model(config.model)
-    O.prepare_output(config.output, config.overwrite)
+    resuming = O.prepare_output(config.output, config.overwrite, config.resume)
+    job = check_config(config.output, config, log) if resuming else {}
+    parts = finished_parts(config.output) if resuming else Parts([], 0, None)
     run_id = uuid.uuid4().hex[:8]
+    runs = [*job.get("runs", []), {"run_id": run_id, "resumed": resuming, "started": time.time()}]
+    O.write_json(config.output, O.JOB, {
+        "version": __version__, "run_id": run_id, "input": config.input,
+        "result": config.result_fields(), "config": config.to_dict(),
+        "input_rows": info.num_rows, "input_files": len(info.files), "runs": runs})
+    extra = {"run_id": run_id, "input_rows": info.num_rows, "resumed": resuming,
+             "model": config.model}
+    if info.num_rows == 0:
+        if parts.rows:
+            raise UsageError(f"INPUT is empty but OUTPUT holds {parts.rows} rows of another run")
+        O.write_table(config.output, f"part-{run_id}-000000.parquet", _empty_table(config, info))
+        return _finish(config, info, _nothing(), 0.0, {**extra, "rows_skipped": 0}, log)
+    return _score(config, info, parts, run_id, extra, log)
+
+
+def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> dict:
+    import ray
+
+    from dsv4batch.pipeline.cluster import configure_data_context, connect
+    from dsv4batch.pipeline.graph import resolve, score
+    from dsv4batch.pipeline.idscan import scan_ids
+    from dsv4batch.pipeline.metrics import start_collector
+    from dsv4batch.pipeline.progress import Progress
+    from dsv4batch.pipeline.read import read
+    from dsv4batch.pipeline.sink import ParquetPartSink, open_fs
+
     connect(config.ray_address)
     configure_data_context()
     config = resolve(config)
-    O.write_json(config.output, O.JOB, {"version": __version__, "run_id": run_id,
-                                       "input": config.input, "result": config.result_fields(),
-                                       "config": config.to_dict(), "input_rows": info.num_rows,
-                                       "input_files": len(info.files)})
-    log(f"[dsv4batch] scoring {info.num_rows} rows from {len(info.files)} file(s) with "
-        f"{config.replicas} replica(s) x {config.gpus_per_replica:g} GPU of {config.model!r}")
-    collector = start_collector()
+    pending = None
+    if parts.files or config.id_column in info.schema.names:  # derived ids are unique
+        t0 = time.time()
+        pending = scan_ids(config, info, parts.files, parts.rows, open_fs(config.output)[0],
+                           parts.id_type)
+        log(f"[dsv4batch] id scan: {info.num_rows} ids checked, {pending.skipped} already in "
+            f"OUTPUT ({time.time() - t0:.1f}s)")
+    skipped = pending.skipped if pending else 0
+    todo = None if info.num_rows is None else info.num_rows - skipped
+    extra = {**extra, "rows_skipped": skipped}
+    if todo == 0:
+        return _finish(config, info, _nothing(), 0.0, extra, log)
+    limit = (config.max_errored_rows if config.max_errored_rows is not None
+             else math.ceil(todo / 1000) if todo is not None else None)
+    log(f"[dsv4batch] scoring {todo if todo is not None else 'all'} rows from "
+        f"{len(info.files)} file(s) with {config.replicas} replica(s) x "
+        f"{config.gpus_per_replica:g} GPU of {config.model!r}"
+        + (f" ({skipped} already in OUTPUT)" if skipped else ""))
+    collector = start_collector(limit)
     sink = ParquetPartSink(config.output, run_id=run_id)
-    dataset = score(read(config, info), config, stats=collector)
+    dataset = score(read(config, info, pending if skipped else None), config, stats=collector)
     t0 = time.time()
-    with Progress(collector, info.num_rows, enabled=config.progress):
-        dataset.write_datasink(sink)
-    wall = time.time() - t0
+    try:
+        with Progress(collector, todo, enabled=config.progress):
+            dataset.write_datasink(sink)
+    except Exception as exc:
+        raise _failure(collector, exc) from exc
     snapshot = ray.get(collector.snapshot.remote())
     ray.kill(collector)
-    metrics = summarize(snapshot, sink.result or _empty(), wall,
-                        {"run_id": run_id, "input_rows": info.num_rows, "model": config.model,
-                         "replicas": config.replicas,
+    written = sink.result or _nothing()[1]
+    if todo is not None and written["rows"] != todo:
+        raise RowCountError(f"wrote {written['rows']} rows for {todo} rows to score")
+    return _finish(config, info, (snapshot, written), time.time() - t0,
+                   {**extra, "max_errored_rows": limit}, log)
+
+
+def _finish(config, info, result, wall: float, extra: dict, log) -> dict:
+    """Check OUTPUT holds one row per input row, then write `_metrics.json` and `_SUCCESS`."""
+    from dsv4batch.pipeline.metrics import format_summary, summarize
+    from dsv4batch.pipeline.resume import finished_parts
+
+    snapshot, written = result
+    total = finished_parts(config.output).rows
+    if info.num_rows is not None and total != info.num_rows:
+        raise RowCountError(f"OUTPUT's part files hold {total} rows for {info.num_rows} input "
+                            "rows; no _SUCCESS written")
+    metrics = summarize(snapshot, written, wall,
+                        {**extra, "rows_in_output": total, "replicas": config.replicas,
                          "gpus_per_replica": config.gpus_per_replica})
-    if info.num_rows is not None and metrics["rows"] != info.num_rows:
-        raise RowCountError(f"wrote {metrics['rows']} rows for {info.num_rows} input rows")
     O.write_json(config.output, O.METRICS, metrics)
-    O.write_json(config.output, O.SUCCESS, {"run_id": run_id, "rows": metrics["rows"]})
+    O.write_json(config.output, O.SUCCESS, {"run_id": extra["run_id"], "rows": total})
     log(format_summary(metrics))
     return metrics
 
 
-def check_model(model: str) -> None:
-    """A local checkpoint folder must hold a DeepSeek-V4 config.json (checked before Ray starts;
-    each actor still validates the weights it loads)."""
-    if model == "tiny" or "://" in model:
-        return
-    from dsv4batch.model.config import ModelLoadError, load_config
+def _failure(collector, exc: Exception) -> Exception:
+    """The reason the execution stopped, in words: the error limit, a model that cannot load."""
+    import ray
 
     try:
-        load_config(model)
-    except ModelLoadError as exc:
-        raise UsageError(str(exc)) from exc
+        ledger = ray.get(collector.snapshot.remote(), timeout=30)["ledger"]
+    except Exception:  # noqa: BLE001 - the original error is still raised below
+        ledger = {}
+    keep = ("the rows written so far stay in OUTPUT; fix the cause and run again with --resume "
+            "(raise --max-errored-rows to accept more failed rows)")
+    if ledger.get("stop"):
+        return JobFailed(f"stopped: {ledger['stop']}; {keep}")
+    text = str(exc)
+    for marker in ("ModelLoadError:", "FileNotFoundError:", "OutOfMemoryError:"):
+        if marker in text:
+            cause = next(line for line in text.splitlines() if marker in line).strip()
+            return JobFailed(f"a scoring actor could not load the model: {cause}")
+    if type(exc).__name__ == "ActorDiedError":
+        return JobFailed(f"a scoring actor's process died more often than --max-actor-restarts "
+                         f"allows (killed while loading the model?): {text.splitlines()[0]}; "
+                         f"{keep}")
+    return exc
 
 
-def _empty() -> dict:
-    return {"rows": 0, "rows_errored": 0, "input_tokens": 0, "scored_tokens": 0, "files": []}
+def _nothing() -> tuple[dict, dict]:
+    from dsv4batch.pipeline.metrics import StatsCollector
+
+    return StatsCollector().snapshot(), {"rows": 0, "rows_errored": 0, "input_tokens": 0,
+                                         "scored_tokens": 0, "files": []}
+
+
+def _empty_table(config: ScoreConfig, info):
+    """A 0-row part file with the output schema, so readers of an empty result get columns."""
+    import pyarrow as pa
+
+    from dsv4batch.pipeline import schema as S
+
+    names = info.schema.names
+    id_type = info.schema.field(config.id_column).type if config.id_column in names \
+        else pa.string()
+    schema = S.output_schema(id_type, config.token_logprobs,
+                             [info.schema.field(c) for c in config.keep_columns],
+                             config.truncate != "none")
+    return schema.empty_table()

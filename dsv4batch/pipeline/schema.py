@@ -14,11 +14,13 @@ ERROR = "error"
 # internal columns from Tokenize to the scoring actor (never written)
 INPUT_IDS = "__input_ids"  # list<int32>: [bos] + tokens(prompt) [+ tokens(target)]
 NUM_SCORED = "__num_scored"  # int32: how many trailing tokens of INPUT_IDS are scored
-INTERNAL = (INPUT_IDS, NUM_SCORED)
+NUM_TRUNCATED = "__num_truncated"  # int32: tokens --truncate dropped from the row
+INTERNAL = (INPUT_IDS, NUM_SCORED, NUM_TRUNCATED)
 
 # output columns, in order (token_logprobs only with config.token_logprobs)
 SCORE_COLUMNS = ("num_tokens", "num_scored_tokens", "logprob_sum", "logprob_mean", "perplexity")
 TOKEN_LOGPROBS = "token_logprobs"
+TRUNCATED = "truncated_tokens"  # only with --truncate left|right
 
 
 @dataclass(frozen=True)
@@ -30,11 +32,12 @@ class StageSpec:
     writes: tuple[str, ...]
 
 
-def output_names(token_logprobs: bool) -> list[str]:
-    return [ID, *SCORE_COLUMNS, *([TOKEN_LOGPROBS] if token_logprobs else []), ERROR]
+def output_names(token_logprobs: bool, truncated: bool = False) -> list[str]:
+    return [ID, *SCORE_COLUMNS, *([TOKEN_LOGPROBS] if token_logprobs else []),
+            *([TRUNCATED] if truncated else []), ERROR]
 
 
-def output_schema(id_type, token_logprobs: bool, keep_fields=()):
+def output_schema(id_type, token_logprobs: bool, keep_fields=(), truncated: bool = False):
     """The schema of every written part file: `id` keeps the input's id type."""
     import pyarrow as pa
 
@@ -43,6 +46,8 @@ def output_schema(id_type, token_logprobs: bool, keep_fields=()):
               pa.field("logprob_mean", pa.float64()), pa.field("perplexity", pa.float64())]
     if token_logprobs:
         fields.append(pa.field(TOKEN_LOGPROBS, pa.list_(pa.float32())))
+    if truncated:
+        fields.append(pa.field(TRUNCATED, pa.int32()))
     fields.append(pa.field(ERROR, pa.string()))
     return pa.schema(fields + list(keep_fields))
 

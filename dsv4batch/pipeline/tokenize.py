@@ -3,8 +3,9 @@
 Runs in an autoscaling pool of small CPU actors (tokenizer loaded once in `__init__`), apart
 from the scoring actors, so tokenization overlaps the forward instead of running serially
 before it (Ray Data only fuses task steps into an actor step, never two actor steps). Rows that
-cannot be scored (null text or target, too many tokens) keep their place and get an `error`;
-the scoring actor skips them. Every row in comes out exactly once, in order.
+cannot be scored (null text or target, too many tokens without --truncate, text the tokenizer
+rejects) keep their place and get an `error`; the scoring actor skips them. Every row in comes
+out exactly once, in order.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Tokenize:
         reads = (config.text_column, config.id_column, *config.keep_columns)
         if config.target_column:
             reads = (*reads, config.target_column)
-        return S.StageSpec("tokenize", reads, (S.INPUT_IDS, S.NUM_SCORED, S.ERROR))
+        return S.StageSpec("tokenize", reads, (S.INPUT_IDS, S.NUM_SCORED, S.NUM_TRUNCATED, S.ERROR))
 
     def __init__(self, config: ScoreConfig, stats: Any = None):
         from dsv4batch.model.tokenizer import load_tokenizer
@@ -55,15 +56,23 @@ class Tokenize:
         self.tokenizer = load_tokenizer(tokenizer_source(config.model))
         self.bos = bos_token_id(config.model)
 
-    def _encode(self, texts: list) -> list[list[int] | None]:
-        """Token ids per text; None for a null text. Bytes are decoded leniently."""
-        strs = [t.decode("utf-8", "replace") if isinstance(t, bytes) else t for t in texts]
+    def _encode(self, column) -> list:
+        """Token ids per row: a list, None for a null, or an error string if the tokenizer failed."""
+        strs = _texts(column)
         present = [i for i, t in enumerate(strs) if t is not None]
-        encs = self.tokenizer.encode_batch_fast([strs[i] for i in present],
-                                                add_special_tokens=False)
-        out: list[list[int] | None] = [None] * len(strs)
+        out: list = [None] * len(strs)
+        try:
+            encs = self.tokenizer.encode_batch_fast([strs[i] for i in present],
+                                                    add_special_tokens=False)
+        except Exception:  # noqa: BLE001 - find the row(s) the tokenizer rejects, answer the rest
+            encs = []
+            for i in present:
+                try:
+                    encs.append(self.tokenizer.encode(strs[i], add_special_tokens=False))
+                except Exception as exc:  # noqa: BLE001, PERF203
+                    encs.append(f"tokenizer failed: {type(exc).__name__}: {exc}"[:500])
         for i, e in zip(present, encs):
-            out[i] = e.ids
+            out[i] = e if isinstance(e, str) else e.ids
         return out
 
     def __call__(self, batch):
@@ -73,29 +82,47 @@ class Tokenize:
             self.stats.record_tokenize.remote(out.num_rows, time.perf_counter() - t0)
         return out
 
+    def _fit(self, p: list, t: list | None) -> tuple[list | None, int, int, str | None]:
+        """(ids, scored, truncated, error) for one row under max_model_len and --truncate."""
+        cfg, L = self.config, self.config.max_model_len
+        seq, n = [*p, *(t or [])], 1 + len(p) + len(t or [])
+        if n <= L:
+            return [self.bos, *seq], len(t) if t is not None else len(p), 0, None
+        too_long = f"too long: {n} tokens > max_model_len {L}"
+        if cfg.truncate == "none":
+            return None, 0, 0, too_long
+        drop = n - L
+        kept = seq[drop:] if cfg.truncate == "left" else seq[:L - 1]
+        if t is None:
+            return [self.bos, *kept], len(kept), drop, None
+        # a target is scored from its own tokens only: left keeps its end, right its start
+        scored = min(len(t), len(kept)) if cfg.truncate == "left" else len(kept) - len(p)
+        if scored <= 0:
+            return None, 0, 0, too_long + " and truncating right leaves no target token"
+        return [self.bos, *kept], scored, drop, None
+
     def tokenize(self, batch):
         import numpy as np
         import pyarrow as pa
 
         cfg = self.config
         S.check_columns("tokenize", self.spec(cfg).reads, batch.column_names, "batch")
-        prompts = self._encode(batch[cfg.text_column].to_pylist())
-        targets = (self._encode(batch[cfg.target_column].to_pylist()) if cfg.target_column
-                   else None)
-        ids_out, scored, errors = [], np.zeros(batch.num_rows, np.int32), [None] * batch.num_rows
+        prompts = self._encode(batch[cfg.text_column])
+        targets = self._encode(batch[cfg.target_column]) if cfg.target_column else None
+        n_rows = batch.num_rows
+        ids_out, errors = [], [None] * n_rows
+        scored, truncated = np.zeros(n_rows, np.int32), np.zeros(n_rows, np.int32)
         for i, p in enumerate(prompts):
             t = targets[i] if targets is not None else []
-            if p is None or t is None:
-                errors[i] = "null text" if p is None else "null target"
+            if p is None or t is None or isinstance(p, str) or isinstance(t, str):
+                # errored rows carry no ids: nothing is fed to the model
+                errors[i] = ("null text" if p is None else "null target" if t is None
+                             else p if isinstance(p, str) else t)
                 ids_out.append([])
                 continue
-            n = 1 + len(p) + len(t)
-            if n > cfg.max_model_len:  # errored rows carry no ids: nothing is fed to the model
-                errors[i] = f"too long: {n} tokens > max_model_len {cfg.max_model_len}"
-                ids_out.append([])
-                continue
-            ids_out.append([self.bos, *p, *t])
-            scored[i] = len(t) if targets is not None else len(p)
+            ids, scored[i], truncated[i], errors[i] = self._fit(p, t if targets is not None
+                                                                 else None)
+            ids_out.append(ids or [])
         lengths = np.fromiter((len(x) for x in ids_out), np.int32, len(ids_out))
         offsets = np.zeros(len(ids_out) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
@@ -106,5 +133,20 @@ class Tokenize:
             out = out.rename_columns([S.ID if c == cfg.id_column else c for c in keep])
         out = out.append_column(S.INPUT_IDS, pa.ListArray.from_arrays(offsets, flat))
         out = out.append_column(S.NUM_SCORED, pa.array(scored, pa.int32()))
+        out = out.append_column(S.NUM_TRUNCATED, pa.array(truncated, pa.int32()))
         return out.append_column(S.ERROR, pa.array(errors, pa.string()))
 
+
+def _texts(column) -> list:
+    """Python strings of a text column; bytes and invalid UTF-8 are decoded with U+FFFD.
+
+    A `binary` column is taken as UTF-8 text. A `string` column that holds invalid UTF-8 (Parquet
+    writers do not all validate) cannot become Python strings, so it is read as bytes instead.
+    """
+    import pyarrow as pa
+
+    try:
+        values = column.to_pylist()
+    except UnicodeDecodeError:
+        values = column.cast(pa.large_binary()).to_pylist()
+    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in values]

@@ -1,25 +1,40 @@
-"""ScoringActor called in-process (no Ray): scores, target-only scoring, error isolation, stats."""
+"""ScoringActor called in-process (no Ray): scores, target-only scoring, error isolation, stats,
+and the batch ledger (attempts, isolation, the failed-row limit) with the real StatsCollector."""
+
+import dataclasses
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
+from dsv4batch.actors.errors import BatchError, TooManyErrors
+from dsv4batch.actors.guard import batch_key
 from dsv4batch.actors.scoring import ScoringActor
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.metrics import StatsCollector
 from dsv4batch.pipeline.tokenize import Tokenize
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "", None, "Ray Data streams blocks.",
          "A slightly longer sentence, so that two requests differ in length by a few tokens."]
 
 
-class FakeStats:
-    """Stands in for the StatsCollector actor handle (`.method.remote(...)`)."""
+class LocalCollector:
+    """The real `StatsCollector`, called in-process through the actor-handle protocol
+    (`handle.method.remote(*args)` returns the result here), recording each call."""
 
-    def __init__(self):
-        self.calls = []
-        for name in ("register_actor", "record_batch", "record_tokenize"):
-            setattr(self, name, type("M", (), {"remote": lambda s, *a, n=name: self.calls.append((n, a))})())
+    def __init__(self, max_failed_rows=None):
+        self.collector, self.calls = StatsCollector(max_failed_rows), []
+
+    def __getattr__(self, name):
+        method, calls = getattr(self.collector, name), self.calls
+
+        class Method:
+            @staticmethod
+            def remote(*args):
+                calls.append((name, args))
+                return method(*args)
+        return Method
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +51,7 @@ def run(cfg, table, stats=None):
 def test_scores_match_model_and_keep_row_order(checkpoint, model):
     cfg = ScoreConfig(model=checkpoint, token_logprobs=True, keep_columns=("n",))
     table = pa.table({"id": [10, 11, 12, 13, 14], "prompt": TEXTS, "n": [1, 2, 3, 4, 5]})
-    stats = FakeStats()
+    stats = LocalCollector()
     out = run(cfg, table, stats)
     assert out.schema.equals(S.output_schema(pa.int64(), True, [table.schema.field("n")]))
     rows = out.to_pylist()
@@ -57,8 +72,8 @@ def test_scores_match_model_and_keep_row_order(checkpoint, model):
         else:  # empty text: scored, nothing to score
             assert r["logprob_sum"] == 0.0 and r["logprob_mean"] is None and r["perplexity"] is None
     kinds = [c[0] for c in stats.calls]
-    assert kinds == ["register_actor", "record_batch"]
-    batch_stats = stats.calls[1][1][1]
+    assert kinds == ["register_actor", "begin_batch", "record_batch", "end_batch"]
+    batch_stats = stats.calls[2][1][1]
     assert batch_stats["rows"] == 5 and batch_stats["rows_scored"] == 4 and batch_stats["rows_errored"] == 1
     assert batch_stats["scored_tokens"] == sum(r["num_scored_tokens"] for r in rows)
     assert batch_stats["num_steps"] >= 1 and batch_stats["forward_s"] > 0
@@ -89,3 +104,55 @@ def test_a_rejected_request_becomes_a_row_error(checkpoint):
     assert rows[0]["error"] is None and rows[2]["error"] is None
     assert rows[1]["error"].startswith("ValueError:") and "vocab" in rows[1]["error"]
     assert rows[1]["logprob_sum"] is None
+
+
+def broken_engine(actor):
+    """Force the FlashMLA backend where it cannot run: every forward raises RuntimeError, as a
+    GPU engine in a bad state would (a real failure of the engine, not a stand-in)."""
+    actor.model.engine = dataclasses.replace(actor.model.engine, attn_backend="flashmla")
+
+
+def test_a_batch_that_keeps_failing_is_retried_then_answered_with_errors(checkpoint):
+    cfg = ScoreConfig(model=checkpoint, max_batch_attempts=2)
+    stats = LocalCollector()
+    actor = ScoringActor(cfg, stats=stats)
+    broken_engine(actor)
+    batch = Tokenize(cfg)(pa.table({"id": [1, 2, 3], "prompt": ["a b c", None, "d e"]}))
+    for _ in (1, 2):  # what Ray Data does with a BatchError: run the batch again
+        with pytest.raises(BatchError, match="flashmla backend requested but unavailable"):
+            actor(batch)
+    rows = actor(batch).to_pylist()  # attempt 3 > max_batch_attempts: answered, not scored
+    assert [r["id"] for r in rows] == [1, 2, 3]
+    assert rows[1]["error"] == "null text"  # an input error keeps its own answer
+    for r in (rows[0], rows[2]):
+        assert r["error"].startswith("scoring failed 2 time(s): RuntimeError: flashmla backend")
+        assert r["logprob_sum"] is None and r["num_tokens"] == 0
+    ledger = stats.collector.ledger_snapshot()
+    assert ledger["retried_batches"] == 1 and ledger["isolated_batches"] == 1
+    assert ledger["failed_rows"] == 2 and ledger["stop"] is None
+    assert stats.collector.attempts == {}  # a finished batch leaves nothing in the ledger
+
+
+def test_a_crashed_attempt_counts_and_is_named(checkpoint):
+    cfg = ScoreConfig(model=checkpoint, max_batch_attempts=1)
+    stats = LocalCollector()
+    batch = Tokenize(cfg)(pa.table({"id": ["x", "y"], "prompt": ["a b c", "d e"]}))
+    # an attempt whose actor process died leaves only its begin_batch in the ledger
+    stats.collector.begin_batch(batch_key(["x", "y"]))
+    rows = ScoringActor(cfg, stats=stats)(batch).to_pylist()
+    assert all(r["error"] == "scoring failed 1 time(s): the scoring actor died while scoring "
+               "this batch" for r in rows)
+
+
+def test_failed_rows_past_the_limit_stop_the_job(checkpoint):
+    cfg = ScoreConfig(model=checkpoint)
+    stats = LocalCollector(max_failed_rows=1)
+    actor = ScoringActor(cfg, stats=stats)
+    tokenized = Tokenize(cfg)(pa.table({"id": [1, 2, 3], "prompt": ["fine", "bad", "worse"]}))
+    ids = tokenized[S.INPUT_IDS].to_pylist()
+    ids[1] = ids[2] = [0, 10**6]  # outside the vocabulary: these two rows fail scoring
+    tokenized = tokenized.set_column(tokenized.schema.get_field_index(S.INPUT_IDS), S.INPUT_IDS,
+                                     pa.array(ids, pa.list_(pa.int32())))
+    with pytest.raises(TooManyErrors, match=r"2 rows failed scoring, more than "
+                       r"max_errored_rows=1 \(e.g. batch from id 1: ValueError: .*vocab"):
+        actor(tokenized)

@@ -98,3 +98,25 @@ def test_ray_job_submit(tmp_path, checkpoint, head):
     assert metrics["rows_errored"] == 1  # the null text
     with open(out / "_job.json") as f:
         assert json.load(f)["config"]["model"] == checkpoint
+
+
+@pytest.mark.parametrize("token", [None, "not-the-token"])
+def test_job_submitted_without_the_token_is_refused(tmp_path, head, token):
+    url, env = head
+    client = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+    client["HOME"] = str(tmp_path)  # no ~/.ray/auth_token to fall back on
+    if token:
+        client.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    marker = tmp_path / "ran"
+    submit = [f"{BIN}/ray", "job", "submit", "--address", url, "--", "python", "-c",
+              f"open({str(marker)!r}, 'w').close()"]
+    res = subprocess.run(submit, env=client, capture_output=True, text=True, timeout=120)
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, text[-2000:]
+    assert "401" in text or "nauthorized" in text or "authentication" in text.lower(), text[-2000:]
+    assert not marker.exists()  # the entrypoint never ran
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(f"{url}/api/jobs/", headers=headers)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=5)
+    assert refused.value.code in (401, 403)

@@ -28,6 +28,12 @@ def test_defaults_are_valid_and_every_field_is_documented():
     ({"target_column": "prompt"}, "must differ"),
     ({"keep_columns": ["logprob_sum"]}, "clash"),
     ({"keep_columns": ["key"], "id_column": "key"}, "always written"),
+    ({"keep_columns": ["truncated_tokens"]}, "clash"),
+    ({"truncate": "middle"}, "not one of"),
+    ({"max_batch_attempts": 0}, "must be >= 1"),
+    ({"max_actor_restarts": -2}, "must be >= -1"),
+    ({"max_errored_rows": -1}, "must be >= 0"),
+    ({"resume": True, "overwrite": True}, "give one of them"),
 ])
 def test_rejects_bad_values(bad, match):
     with pytest.raises(UsageError, match=match):
@@ -61,6 +67,13 @@ def test_cli_has_an_option_per_field_and_parses_them():
     assert (cfg.input, cfg.output, cfg.replicas, cfg.gpus_per_replica) == ("in.parquet", "out", 2, 0.5)
     assert cfg.keep_columns == ("a", "b") and cfg.token_logprobs and not cfg.sort_by_length
     assert cfg.planner == "fixed" and cfg.prefill_chunk_size is None and cfg.target_column == "t"
+    cfg = parse_config(["in", "out", "--resume", "--truncate", "left", "--max-errored-rows", "none",
+                        "--max-actor-restarts", "-1", "--max-batch-attempts", "5"])
+    assert cfg.resume and cfg.truncate == "left" and cfg.max_errored_rows is None
+    assert (cfg.max_actor_restarts, cfg.max_batch_attempts) == (-1, 5)
+    assert "truncate" in cfg.result_fields() and "max_errored_rows" not in cfg.result_fields()
+    sub_help = build_parser()._subparsers._group_actions[0].choices["score"].format_help()
+    assert "0.1% of the rows" in sub_help  # a literal % survives argparse's %-formatting
     # `python -m dsv4batch.jobs.score INPUT OUTPUT` (no subcommand word) means the same
     assert parse_config(["in", "out"]) == ScoreConfig(input="in", output="out")
     sub = build_parser()._subparsers._group_actions[0].choices["score"]

@@ -13,7 +13,12 @@ def batch(t0, rows, tokens, **kw):
 def test_summary_overall_and_per_actor():
     c = StatsCollector()
     c.register_actor({"actor_id": "b", "node_id": "n2", "device": "cpu", "load_s": 2.0})
-    c.register_actor({"actor_id": "a", "node_id": "n1", "device": "cuda", "load_s": 3.0})
+    c.register_actor({"actor_id": "a", "node_id": "n1", "device": "cuda", "load_s": 3.0,
+                      "pid": 11})
+    c.register_actor({"actor_id": "a", "node_id": "n1", "device": "cuda", "load_s": 3.0,
+                      "pid": 12})  # restarted: Ray keeps the actor id, the process is new
+    c.begin_batch("k")
+    c.end_batch("k", 1, "'r7'", "ValueError: bad")
     c.record_batch("a", batch(10.0, 4, 100))
     c.record_batch("a", batch(11.0, 4, 100, peak=500))
     c.record_batch("b", batch(10.5, 2, 50))
@@ -30,6 +35,8 @@ def test_summary_overall_and_per_actor():
     a = m["actors"][0]
     assert (a["actor_id"], a["rows"], a["batches"], a["active_s"]) == ("a", 8, 2, 2.0)
     assert a["tokens_per_s"] == 100.0 and a["device"] == "cuda"
+    assert a["pids"] == [11, 12] and a["restarts"] == 1 and m["actors"][1]["restarts"] == 0
+    assert m["rows_failed"] == 1 and m["faults"]["failures"][0]["first_id"] == "'r7'"
     assert m["run_id"] == "x" and m["files"] == ["part-x-000000.parquet"]
     assert "actor a" in format_summary(m)
 
