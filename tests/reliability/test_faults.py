@@ -44,10 +44,11 @@ def wait_for(predicate, what: str, timeout: float = 300, proc=None):
         time.sleep(0.05)
 
 
-def alive_pipeline_actors() -> list:
+def alive_pipeline_actors(address: str) -> list:
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    # the module's own cluster by address: other Ray instances may run on the same machine
+    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
             if a.class_name.startswith("MapWorker(")]
 
 
@@ -59,7 +60,7 @@ def test_killed_scoring_actor_is_restarted_and_the_job_completes(tmp_path, check
     def kill_one_scoring_actor():
         try:
             wait_for(lambda: parts(out), "the first part file")
-            actor = next(a for a in alive_pipeline_actors() if "ScoringActor" in a.class_name)
+            actor = next(a for a in alive_pipeline_actors(local_ray) if "ScoringActor" in a.class_name)
             killed.update(pid=actor.pid, parts=len(parts(out)))
             os.kill(actor.pid, signal.SIGKILL)
         except Exception as exc:  # noqa: BLE001 - reported by the test below
@@ -90,7 +91,7 @@ def test_killed_driver_then_resume_scores_only_the_missing_rows(tmp_path, checkp
         driver.wait()
     # Ray ends a dead driver's job (its actors and tasks); a straggling write would otherwise
     # land after the rows already written were counted
-    wait_for(lambda: not alive_pipeline_actors(), "the killed job's actors to stop", 120)
+    wait_for(lambda: not alive_pipeline_actors(local_ray), "the killed job's actors to stop", 120)
     assert "_SUCCESS" not in os.listdir(out)
     written = part_rows(out)
     assert 0 < written < len(ids)
