@@ -1,9 +1,10 @@
 """The scoring actor's side of the batch ledger (`dsv4batch.pipeline.ledger`).
 
-`begin` registers an attempt and says whether the batch already used up its attempts (then its
-rows are answered with an error, naming the last cause); `failed` records why an attempt raised;
-`end` reports the rows whose scoring failed and raises `TooManyErrors` past the job's limit.
-Without a collector (an actor used alone) every batch is a first attempt and nothing is counted.
+`begin` registers an attempt (the one call per batch that waits for the collector) and says
+whether the batch already used up its attempts (then its rows are answered with an error,
+naming the last cause); it raises `TooManyErrors` once the job's failed rows passed the limit.
+`failed` records why an attempt raised; `end` reports the rows whose scoring failed without
+waiting. Without a collector (an actor used alone) every batch is a first attempt.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ class BatchGuard:
         key = batch_key(ids)
         if self.stats is None:
             return key, None
-        attempt, cause = ask(self.stats.begin_batch, key)
+        attempt, cause, stop = ask(self.stats.begin_batch, key)
+        if stop:
+            raise TooManyErrors(stop)
         if attempt <= self.max_attempts:
             return key, None
         return key, f"scoring failed {attempt - 1} time(s): {cause or DIED}"
@@ -49,8 +52,5 @@ class BatchGuard:
 
     def end(self, key: str, failed_rows: int, first_id: Any, cause: str | None,
             isolated: bool) -> None:
-        if self.stats is None:
-            return
-        stop = ask(self.stats.end_batch, key, failed_rows, repr(first_id), cause, isolated)
-        if stop:
-            raise TooManyErrors(stop)
+        if self.stats is not None:  # calls from one actor run in order: the next begin sees it
+            self.stats.end_batch.remote(key, failed_rows, repr(first_id), cause, isolated)

@@ -30,6 +30,10 @@ _SUM_STATS = ("num_steps", "num_chunks", "forward_s", "planner_s")
 
 
 class ScoringActor:
+    # how the model is loaded (a subclass may load another: bench/stream.py measures the
+    # pipeline without a forward)
+    load = staticmethod(load_model)
+
     @staticmethod
     def spec(config: ScoreConfig) -> S.StageSpec:
         truncated = config.truncate != "none"
@@ -41,7 +45,7 @@ class ScoringActor:
     def __init__(self, config: ScoreConfig, stats: Any = None, num_gpus: float = 0.0):
         t0 = time.perf_counter()
         self.config, self.stats = config, stats
-        self.model, self.device, self.dtype = load_model(config, num_gpus)
+        self.model, self.device, self.dtype = self.load(config, num_gpus)
         self.telemetry = ActorTelemetry(config.model)
         self.actor_id, self.node_id = f"local-{os.getpid()}", None
         try:

@@ -1,9 +1,10 @@
 """Join or start Ray for a run.
 
 `address` (or RAY_ADDRESS, which `ray job submit` sets for the job's driver) joins a running
-cluster; otherwise a local Ray starts with token authentication (Ray >= 2.52 enables it for
-new local clusters unless RAY_AUTH_MODE says otherwise; the token is ~/.ray/auth_token or
-RAY_AUTH_TOKEN) and its dashboard bound to 127.0.0.1.
+cluster ('auto' finds one started with `ray start` on this machine); otherwise a new local Ray
+starts, never another `ray start` cluster that happens to run here, with token authentication
+(Ray >= 2.52 enables it for new local clusters unless RAY_AUTH_MODE says otherwise; the token
+is ~/.ray/auth_token or RAY_AUTH_TOKEN) and its dashboard bound to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def connect(address: str | None = None, **local_kwargs) -> bool:
     if address:
         ray.init(address=address, **common)
     else:
-        ray.init(dashboard_host="127.0.0.1", **common, **local_kwargs)
+        ray.init(address="local", dashboard_host="127.0.0.1", **common, **local_kwargs)
     return True
 
 

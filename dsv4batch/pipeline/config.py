@@ -42,6 +42,10 @@ class ScoreConfig:
                       "hold are skipped, the rest is scored into new part files. Refused when "
                       "the model, columns or scoring options differ from OUTPUT/_job.json.",
                       group="run")
+    rows_per_file: int = _f(10_000, "Rows gathered into one part file (Ray Data's "
+                            "min_rows_per_write). A killed run keeps every finished file; "
+                            "--resume redoes only the rows of files not yet written.",
+                            group="run", min=1)
     ray_address: str | None = _f(None, "Ray cluster to join (e.g. 'auto', 'ray://host:10001'); "
                                  "default: RAY_ADDRESS, else start a local Ray.", group="run")
     progress: bool = _f(True, "Show live progress (rows, tokens/s) on stderr.", group="run")

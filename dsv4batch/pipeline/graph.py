@@ -62,13 +62,14 @@ def _check_schema(dataset, config: ScoreConfig) -> None:
         S.check_columns("score", Tokenize.spec(config).reads, list(schema.names), "dataset")
 
 
-def score(dataset, config: ScoreConfig, *, stats: Any = None):
+def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | None = None):
     """Append the scoring steps to `dataset`; returns a lazy `ray.data.Dataset` of scores.
 
     `dataset` needs `config.text_column`, `config.id_column` (unique ids), the target and keep
     columns when configured. `stats`: the `StatsCollector` actor handle for throughput and the
     batch ledger; one is started when none is given (then `max_errored_rows` None: no limit).
-    The dataset's DataContext gets the fault settings of `cluster.fault_settings`.
+    The dataset's DataContext gets the fault settings of `cluster.fault_settings`. `scorer`: the
+    scoring step class, `ScoringActor` or a subclass (bench/stream.py swaps the model out).
     """
     from ray.data import ActorPoolStrategy
 
@@ -99,7 +100,7 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None):
         # used max_batch_attempts.
         warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
         return tokenized.map_batches(
-            ScoringActor,
+            scorer or ScoringActor,
             fn_constructor_kwargs={"config": config, "stats": stats,
                                    "num_gpus": config.gpus_per_replica},
             compute=ActorPoolStrategy(size=config.replicas,

@@ -1,9 +1,12 @@
 """Id checks with Ray Data before anything is scored: duplicate and null ids in INPUT and, on
 `--resume`, the input rows whose id OUTPUT already holds.
 
-One group-by-id over the union of INPUT's ids (each tagged with its row's file and position)
-and, when resuming, the ids of OUTPUT's finished part files, read in plain Ray Data tasks.
-Each group counts the id in INPUT and in OUTPUT, so one shuffle finds ids repeated in INPUT or
+INPUT's ids (each tagged with its row's file and position) and, when resuming, the ids of
+OUTPUT's finished part files are read in plain Ray Data tasks, each id hashed to one of P
+partitions (P grows with the row count: 250k ids per partition). Ray Data brings each partition
+together (`groupby` on the partition number, a shuffle of P groups), and each partition is
+grouped by id with Arrow's vectorized `group_by` (Ray Data's own per-id aggregation loops over
+the groups in Python). Counting each id in INPUT and in OUTPUT finds ids repeated in INPUT or
 null (refused, with examples), ids OUTPUT holds twice or INPUT lacks (refused: OUTPUT is not a
 run over this input), and the rows already written, whose positions stream to the driver's
 `RowBitmap`. The ids stay in Ray's object store and workers: the driver receives examples and
@@ -18,15 +21,46 @@ from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import ScoreConfig, UsageError
 from dsv4batch.pipeline.rowset import KEY_SHIFT, Pending, RowBitmap
 
-IN, DONE, KEY = "__in", "__done", "__key"
-ROWS_PER_PARTITION = 2_000_000
+IN, DONE, KEY, PART = "__in", "__done", "__key", "__part"
+ROWS_PER_PARTITION = 250_000  # ids per partition: what one reduce task and the driver hold at once
 CHUNK_ROWS = 65_536  # rows per block read: a task's memory does not grow with its file
 FILES_PER_TASK = 8
 EXAMPLES = 3
+DONE_KIND, KINDS = 0, ("done", "null", "dup_in", "dup_out", "orphan")
 
 
-def read_keys(batch, filesystem, id_column: str | None, root: str, id_type=None):
-    """Files -> blocks of (id, in, done, key), streamed one chunk at a time.
+def partition_of(ids, parts: int):
+    """A stable partition number per id (same in every process; any such function is correct,
+    a good hash only balances the partitions). Integers are mixed directly; strings and bytes
+    by a position-weighted byte sum. Null ids go to partition 0."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from dsv4batch.pipeline.ids import _mix
+
+    n = len(ids)
+    if parts == 1 or n == 0:
+        return np.zeros(n, np.int64)
+    if pa.types.is_integer(ids.type):
+        v = pc.fill_null(ids, 0).to_numpy(zero_copy_only=False).astype(np.uint64)
+    else:
+        b = pc.fill_null(ids.cast(pa.large_binary()), b"")
+        b = b.combine_chunks() if isinstance(b, pa.ChunkedArray) else b
+        offsets = np.frombuffer(b.buffers()[1], np.int64)[b.offset:b.offset + n + 1]
+        data = np.frombuffer(b.buffers()[2], np.uint8)[offsets[0]:offsets[-1]]
+        lengths = np.diff(offsets).astype(np.uint64)
+        pos = np.arange(len(data)) - np.repeat(offsets[:-1] - offsets[0], lengths.astype(np.int64))
+        contrib = data.astype(np.uint64) * (pos.astype(np.uint64) * np.uint64(0x9E3779B1) + 1)
+        sums = np.zeros(n, np.uint64)
+        np.add.at(sums, np.repeat(np.arange(n), lengths.astype(np.int64)), contrib)
+        v = sums ^ (lengths << np.uint64(40))
+    with np.errstate(over="ignore"):
+        return (_mix(v) % np.uint64(parts)).astype(np.int64)
+
+
+def read_keys(batch, filesystem, id_column: str | None, root: str, parts: int, id_type=None):
+    """Files -> blocks of (id, in, done, key, partition), streamed one chunk at a time.
 
     INPUT files (`id_type` None): in=1, done=0, key = file index << 40 | row position; with
     `id_column` None the ids are derived like `ids.DeriveIds` ('<file>:<row>'). OUTPUT part
@@ -53,13 +87,13 @@ def read_keys(batch, filesystem, id_column: str | None, root: str, id_type=None)
                 chunks = (b.column(0) for b in pf.iter_batches(CHUNK_ROWS, columns=[id_column]))
             for ids in chunks:
                 n = len(ids)
+                ids = ids.cast(id_type) if id_type is not None else ids
                 keys = ((index << KEY_SHIFT) + offset + np.arange(n, dtype=np.int64) if side
                         else np.full(n, -1, np.int64))
                 offset += n
-                yield pa.table({S.ID: ids.cast(id_type) if id_type is not None else ids,
-                                IN: pa.array(np.full(n, side, np.int64)),
+                yield pa.table({S.ID: ids, IN: pa.array(np.full(n, side, np.int64)),
                                 DONE: pa.array(np.full(n, 1 - side, np.int64)),
-                                KEY: pa.array(keys)})
+                                KEY: pa.array(keys), PART: pa.array(partition_of(ids, parts))})
 
 
 def _files(paths: list[str], **kwargs):
@@ -71,26 +105,31 @@ def _files(paths: list[str], **kwargs):
         read_keys, fn_kwargs=kwargs, batch_format="pyarrow", batch_size=FILES_PER_TASK)
 
 
-def classify(batch):
-    """Per id group -> only what the driver needs: problems (with the id) and written rows."""
+def classify(partition):
+    """One partition's rows -> what the driver needs: problems (with the id) and written rows.
+
+    kind: 0 written row (key = its position), 1 null id, 2 id repeated in INPUT, 3 id repeated
+    in OUTPUT, 4 id in OUTPUT but not in INPUT; n: the rows involved.
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    n_in, n_done = batch[f"sum({IN})"], batch[f"sum({DONE})"]
+    g = partition.group_by(S.ID).aggregate([(IN, "sum"), (DONE, "sum"), (KEY, "max")])
+    n_in, n_done = g[f"{IN}_sum"], g[f"{DONE}_sum"]
     kinds = pc.case_when(
-        pc.make_struct(pc.is_null(batch[S.ID]), pc.greater(n_in, 1), pc.greater(n_done, 1),
-                       pc.and_(pc.greater(n_done, 0), pc.equal(n_in, 0)),
-                       pc.and_(pc.equal(n_in, 1), pc.equal(n_done, 1))),
-        "null", "dup_in", "dup_out", "orphan", "done")
+        pc.make_struct(pc.and_(pc.equal(n_in, 1), pc.equal(n_done, 1)), pc.is_null(g[S.ID]),
+                       pc.greater(n_in, 1), pc.greater(n_done, 1),
+                       pc.and_(pc.greater(n_done, 0), pc.equal(n_in, 0))),
+        *[pa.scalar(i, pa.int8()) for i in range(len(KINDS))])
     keep = pc.is_valid(kinds)
-    rows = batch.filter(keep)
-    kinds = kinds.filter(keep)
-    problem = pc.not_equal(kinds, "done").to_pylist()
-    ids = [repr(v) if p else None for v, p in zip(rows[S.ID].to_pylist(), problem)]
-    from_output = pc.or_(pc.equal(kinds, "dup_out"), pc.equal(kinds, "orphan"))
-    counts = pc.if_else(from_output, rows[f"sum({DONE})"], rows[f"sum({IN})"])
-    return pa.table({"kind": kinds, "id": pa.array(ids, pa.string()), "n": counts,
-                     "key": rows[f"max({KEY})"]})
+    g, kinds = g.filter(keep).combine_chunks(), kinds.filter(keep).combine_chunks()
+    problem = pc.not_equal(kinds, DONE_KIND)
+    ids = pa.array([repr(v) for v in g[S.ID].filter(problem).to_pylist()], pa.string())
+    shown = pc.replace_with_mask(pa.nulls(len(g), pa.string()), problem, ids) if len(ids) \
+        else pa.nulls(len(g), pa.string())
+    from_output = pc.or_(pc.equal(kinds, 3), pc.equal(kinds, 4))
+    counts = pc.if_else(from_output, g[f"{DONE}_sum"], g[f"{IN}_sum"])
+    return pa.table({"kind": kinds, "id": shown, "n": counts, "key": g[f"{KEY}_max"]})
 
 
 MESSAGES = {
@@ -107,12 +146,13 @@ MESSAGES = {
 def scan_ids(config: ScoreConfig, info, done_files: list[str], done_rows: int,
              output_fs=None, id_type=None) -> Pending:
     """Refuse bad ids (UsageError) and find the rows OUTPUT already holds; runs on Ray Data."""
+    import numpy as np
     import pyarrow as pa
-    from ray.data.aggregate import Max, Sum
     from ray.data.context import ShuffleStrategy
 
     derive = config.id_column not in info.schema.names
-    ds = _files(info.files, filesystem=info.filesystem, root=info.root,
+    parts = max(1, math.ceil(((info.num_rows or 0) + done_rows) / ROWS_PER_PARTITION))
+    ds = _files(info.files, filesystem=info.filesystem, root=info.root, parts=parts,
                 id_column=None if derive else config.id_column)
     if done_files:
         expected = pa.string() if derive else info.schema.field(config.id_column).type
@@ -124,27 +164,21 @@ def scan_ids(config: ScoreConfig, info, done_files: list[str], done_rows: int,
 
             output_fs = pafs.LocalFileSystem()
         ds = ds.union(_files(done_files, filesystem=output_fs, root="", id_column=S.ID,
-                             id_type=expected))
-    # the task-based sort shuffle: for two small columns it starts much faster than the
-    # actor-based hash shuffle, and its partitions bound each reduce task's memory
+                             parts=parts, id_type=expected))
+    # P groups: the task-based sort shuffle starts far faster than the actor-based hash shuffle
     ds.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
-    rows = (info.num_rows or 0) + done_rows
-    groups = ds.groupby(S.ID, num_partitions=max(1, math.ceil(rows / ROWS_PER_PARTITION)))
-    found = groups.aggregate(Sum(IN), Sum(DONE), Max(KEY)).map_batches(
-        classify, batch_format="pyarrow", batch_size=None)
+    found = ds.groupby(PART, num_partitions=parts).map_groups(classify, batch_format="pyarrow")
     written = RowBitmap(info.files, info.file_rows)
     problems: dict[str, list] = {}
-    for b in found.iter_batches(batch_format="pyarrow", batch_size=65536):
-        kinds = b["kind"].to_pylist()
-        done = [i for i, k in enumerate(kinds) if k == "done"]
-        if done:
-            written.add(b["key"].to_numpy()[done])
-        for i, k in enumerate(kinds):
-            if k != "done":
-                p = problems.setdefault(k, [0, 0, []])
-                p[0], p[1] = p[0] + 1, p[1] + b["n"][i].as_py()
-                if len(p[2]) < EXAMPLES:
-                    p[2].append(f"{b['id'][i].as_py()} ({b['n'][i].as_py()} rows)")
+    for b in found.iter_batches(batch_format="pyarrow", batch_size=CHUNK_ROWS):
+        kinds = b["kind"].to_numpy(zero_copy_only=False)
+        written.add(b["key"].to_numpy()[kinds == DONE_KIND])
+        for i in np.flatnonzero(kinds != DONE_KIND).tolist():
+            p = problems.setdefault(KINDS[kinds[i]], [0, 0, []])
+            n = b["n"][i].as_py()
+            p[0], p[1] = p[0] + 1, p[1] + n
+            if len(p[2]) < EXAMPLES:
+                p[2].append(f"{b['id'][i].as_py()} ({n} rows)")
     for kind in ("null", "dup_in", "dup_out", "orphan"):
         if kind in problems:
             count, total, examples = problems[kind]

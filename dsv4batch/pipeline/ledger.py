@@ -5,7 +5,9 @@ trace in the actor, so each attempt starts by asking the ledger how many attempt
 already had; once `max_batch_attempts` are spent the actor answers the batch's rows with an
 error instead of scoring them (a poison batch cannot crash-loop the job). The ledger also counts
 the rows whose scoring failed and says when they pass `max_errored_rows`, so a broken engine
-stops the job instead of writing a dataset of errors. It holds only batches in flight or
+stops the job instead of writing a dataset of errors. That answer rides on the next
+`begin_batch` (the one synchronous call per batch; `end_batch` is fire-and-forget) and the
+driver checks it once more after the last batch. The ledger holds only batches in flight or
 failing (keyed by a digest of their ids), never one entry per row.
 """
 
@@ -26,13 +28,13 @@ class BatchLedger:
         self.isolated_batches = 0  # batches answered with errors after max attempts
         self.failures: list[dict[str, Any]] = []  # first examples, for the summary
 
-    def begin_batch(self, key: str) -> tuple[int, str | None]:
-        """Register an attempt; returns (this attempt's number, the last failure's cause)."""
+    def begin_batch(self, key: str) -> tuple[int, str | None, str | None]:
+        """Register an attempt: (its number, the last failure's cause, the stop message)."""
         n = self.attempts.get(key, 0) + 1
         self.attempts[key] = n
         if n == 2:
             self.retried_batches += 1
-        return n, self.causes.get(key)
+        return n, self.causes.get(key), self.stop_message()
 
     def fail_batch(self, key: str, cause: str) -> None:
         """The attempt raised (it will be retried): remember why, for the isolated rows."""
@@ -40,7 +42,7 @@ class BatchLedger:
 
     def end_batch(self, key: str, failed_rows: int, first_id: Any = None,
                   cause: str | None = None, isolated: bool = False) -> str | None:
-        """The attempt returned rows; None, or the stop message once failures pass the limit."""
+        """The attempt returned rows; returns the stop message once failures pass the limit."""
         self.attempts.pop(key, None)
         self.causes.pop(key, None)
         self.isolated_batches += bool(isolated)

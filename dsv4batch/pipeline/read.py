@@ -157,7 +157,8 @@ def read(config: ScoreConfig, info: InputInfo, pending=None):
                             batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
                             udf_modifying_row_count=True)
     if derive:
-        ds = ds.map_batches(derive_ids, fn_kwargs={"root": info.root, "id_column": config.id_column},
+        ds = ds.map_batches(derive_ids,
+                            fn_kwargs={"root": info.root, "id_column": config.id_column},
                             batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
                             udf_modifying_row_count=False)
     elif located:

@@ -20,6 +20,10 @@ from dsv4batch.pipeline import output as O
 from dsv4batch.pipeline.config import ScoreConfig, UsageError
 
 
+_KEEP = ("the rows written so far stay in OUTPUT; fix the cause and run again with --resume "
+         "(raise --max-errored-rows to accept more failed rows)")
+
+
 class RowCountError(RuntimeError):
     """The written rows do not match the input rows (the row contract is broken)."""
 
@@ -92,7 +96,7 @@ def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> d
         f"{config.gpus_per_replica:g} GPU of {config.model!r}"
         + (f" ({skipped} already in OUTPUT)" if skipped else ""))
     collector = start_collector(limit)
-    sink = ParquetPartSink(config.output, run_id=run_id)
+    sink = ParquetPartSink(config.output, run_id=run_id, rows_per_file=config.rows_per_file)
     dataset = score(read(config, info, pending if skipped else None), config, stats=collector)
     t0 = time.time()
     try:
@@ -102,6 +106,8 @@ def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> d
         raise _failure(collector, exc) from exc
     snapshot = ray.get(collector.snapshot.remote())
     ray.kill(collector)
+    if snapshot["ledger"]["stop"]:  # the last batches passed the limit after every begin
+        raise JobFailed(f"stopped: {snapshot['ledger']['stop']}; {_KEEP}")
     written = sink.result or _nothing()[1]
     if todo is not None and written["rows"] != todo:
         raise RowCountError(f"wrote {written['rows']} rows for {todo} rows to score")
@@ -136,10 +142,8 @@ def _failure(collector, exc: Exception) -> Exception:
         ledger = ray.get(collector.snapshot.remote(), timeout=30)["ledger"]
     except Exception:  # noqa: BLE001 - the original error is still raised below
         ledger = {}
-    keep = ("the rows written so far stay in OUTPUT; fix the cause and run again with --resume "
-            "(raise --max-errored-rows to accept more failed rows)")
     if ledger.get("stop"):
-        return JobFailed(f"stopped: {ledger['stop']}; {keep}")
+        return JobFailed(f"stopped: {ledger['stop']}; {_KEEP}")
     text = str(exc)
     for marker in ("ModelLoadError:", "FileNotFoundError:", "OutOfMemoryError:"):
         if marker in text:
@@ -148,7 +152,7 @@ def _failure(collector, exc: Exception) -> Exception:
     if type(exc).__name__ == "ActorDiedError":
         return JobFailed(f"a scoring actor's process died more often than --max-actor-restarts "
                          f"allows (killed while loading the model?): {text.splitlines()[0]}; "
-                         f"{keep}")
+                         f"{_KEEP}")
     return exc
 
 

@@ -43,13 +43,20 @@ def _counts(table) -> dict[str, int]:
 class ParquetPartSink(Datasink):
     """Writes `part-<run>-<task>.parquet` files through temporary names; see module doc."""
 
-    def __init__(self, path: str, run_id: str | None = None, compression: str = "zstd"):
-        self.path, self.compression = path, compression
+    def __init__(self, path: str, run_id: str | None = None, compression: str = "zstd",
+                 rows_per_file: int | None = None):
+        self.path, self.compression, self.rows_per_file = path, compression, rows_per_file
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.result: dict[str, Any] | None = None
 
     def get_name(self) -> str:
         return "WriteScores"
+
+    @property
+    def min_rows_per_write(self) -> int | None:
+        # Ray Data gathers blocks to this many rows per write task (else one small file per
+        # scoring batch); the last file of a run may hold fewer
+        return self.rows_per_file
 
     def on_write_start(self, schema=None) -> None:
         fs, root = open_fs(self.path)

@@ -57,7 +57,7 @@ class Tokenize:
         self.bos = bos_token_id(config.model)
 
     def _encode(self, column) -> list:
-        """Token ids per row: a list, None for a null, or an error string if the tokenizer failed."""
+        """Token ids per row: a list, None for a null, an error string if the tokenizer failed."""
         strs = _texts(column)
         present = [i for i, t in enumerate(strs) if t is not None]
         out: list = [None] * len(strs)

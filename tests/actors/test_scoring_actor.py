@@ -153,6 +153,8 @@ def test_failed_rows_past_the_limit_stop_the_job(checkpoint):
     ids[1] = ids[2] = [0, 10**6]  # outside the vocabulary: these two rows fail scoring
     tokenized = tokenized.set_column(tokenized.schema.get_field_index(S.INPUT_IDS), S.INPUT_IDS,
                                      pa.array(ids, pa.list_(pa.int32())))
+    rows = actor(tokenized).to_pylist()  # answered; the limit is enforced from the next batch on
+    assert rows[0]["error"] is None and "vocab" in rows[1]["error"] and "vocab" in rows[2]["error"]
     with pytest.raises(TooManyErrors, match=r"2 rows failed scoring, more than "
                        r"max_errored_rows=1 \(e.g. batch from id 1: ValueError: .*vocab"):
-        actor(tokenized)
+        actor(Tokenize(cfg)(pa.table({"id": [4], "prompt": ["next"]})))

@@ -17,7 +17,7 @@ def local_ray():
 
     if ray.is_initialized():  # one Ray per module: never inherit another module's
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 

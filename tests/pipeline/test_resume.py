@@ -12,7 +12,7 @@ import pytest
 
 from dsv4batch.pipeline import output as O
 from dsv4batch.pipeline.config import ScoreConfig, UsageError
-from dsv4batch.pipeline.idscan import classify
+from dsv4batch.pipeline.idscan import KINDS, classify, partition_of
 from dsv4batch.pipeline.ledger import BatchLedger
 from dsv4batch.pipeline.resume import check_config, finished_parts
 from dsv4batch.pipeline.rowset import KEY_SHIFT, RowBitmap, keep_pending
@@ -75,27 +75,49 @@ def test_row_bitmap_and_keep_pending_against_rays_row_hash():
     assert grown.pending().skipped == 2 and grown.pending().files == files
 
 
-def test_classify_id_groups():
-    groups = pa.table({"id": ["a", None, "b", "c", "d", "e"],
-                       "sum(__in)": [2, 3, 1, 1, 0, 1], "sum(__done)": [0, 0, 1, 0, 1, 2],
-                       "max(__key)": [5, 6, 7, 8, -1, 9]})
-    rows = classify(groups).to_pylist()
-    assert [(r["kind"], r["id"], r["n"]) for r in rows] == [
-        ("dup_in", "'a'", 2), ("null", "None", 3), ("done", None, 1), ("orphan", "'d'", 1),
-        ("dup_out", "'e'", 2)]
-    assert rows[2]["key"] == 7  # the written row's position, for the bitmap
+def test_classify_one_partition_of_ids():
+    # INPUT rows (in=1, their position as key) and OUTPUT ids (done=1, key -1)
+    rows = [("a", 1, 0, 5), ("a", 1, 0, 6), (None, 1, 0, 7), (None, 1, 0, 8), ("b", 1, 0, 9),
+            ("b", 0, 1, -1), ("c", 1, 0, 10), ("d", 0, 1, -1), ("e", 1, 0, 11), ("e", 0, 1, -1),
+            ("e", 0, 1, -1)]
+    ids, n_in, n_done, keys = zip(*rows)
+    out = classify(pa.table({"id": list(ids), "__in": list(n_in), "__done": list(n_done),
+                             "__key": list(keys), "__part": [0] * len(rows)}))
+    got = sorted((KINDS[k], i, n, key) for k, i, n, key in zip(*(out[c].to_pylist() for c in
+                                                                 ("kind", "id", "n", "key"))))
+    assert got == [("done", None, 1, 9),  # b: written before, its position goes to the bitmap
+                   ("dup_in", "'a'", 2, 6), ("dup_out", "'e'", 2, 11), ("null", "None", 2, 8),
+                   ("orphan", "'d'", 1, -1)]  # c: still to score, not reported
+
+
+@pytest.mark.parametrize("ids", [pa.array(["r1", "r22", "", None, "héllo"] * 40),
+                                 pa.array(list(range(200)) + [None]),
+                                 pa.array([b"\x00\xff", b"ab"] * 50, pa.binary())])
+def test_partition_of_is_stable_and_spreads(ids):
+    parts = partition_of(ids, 4)
+    assert parts.min() >= 0 and parts.max() < 4
+    assert np.array_equal(parts, partition_of(ids.slice(0), 4))
+    values = ids.to_pylist()
+    first = {}
+    for v, p in zip(values, parts.tolist()):  # the same id: the same partition, always
+        assert first.setdefault(v, p) == p
+    if len(set(values)) > 50:
+        assert len(set(parts.tolist())) == 4
+    if pa.types.is_string(ids.type):  # string and large_string agree (ids cast on read)
+        assert np.array_equal(parts, partition_of(ids.cast(pa.large_string()), 4))
 
 
 def test_batch_ledger_counts_attempts_and_stops_past_the_limit():
     ledger = BatchLedger(max_failed_rows=3)
-    assert ledger.begin_batch("k") == (1, None)
+    assert ledger.begin_batch("k") == (1, None, None)
     ledger.fail_batch("k", "RuntimeError: boom")
-    assert ledger.begin_batch("k") == (2, "RuntimeError: boom")
+    assert ledger.begin_batch("k") == (2, "RuntimeError: boom", None)
     assert ledger.end_batch("k", 2, "'x'", "scoring failed", isolated=True) is None
-    assert ledger.begin_batch("k2") == (1, None)
+    assert ledger.begin_batch("k2") == (1, None, None)
     stop = ledger.end_batch("k2", 2, "'y'", "ValueError: vocab")
+    assert ledger.begin_batch("k3")[2] == stop  # every later attempt learns the job must stop
     assert stop.startswith("4 rows failed scoring, more than max_errored_rows=3 (e.g. batch "
                            "from id 'x': scoring failed; batch from id 'y': ValueError: vocab)")
     snap = ledger.ledger_snapshot()
     assert (snap["retried_batches"], snap["isolated_batches"], snap["failed_rows"]) == (1, 1, 4)
-    assert ledger.attempts == {} and json.dumps(snap)
+    assert ledger.attempts == {"k3": 1} and json.dumps(snap)  # only the batch in flight

@@ -4,9 +4,10 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-# fractional CPUs so read/tokenize/write tasks are never starved on 2 cores
+# fractional CPUs so read/tokenize/write tasks are never starved on 2 cores; small part files,
+# so a run writes several (the fault tests act when the first one appears)
 FAST = ["--cpus-per-replica", "0.5", "--tokenize-num-cpus", "0.25", "--tokenize-concurrency", "1",
-        "--batch-size", "4", "--tokenize-batch-size", "8", "--no-progress"]
+        "--batch-size", "4", "--tokenize-batch-size", "8", "--rows-per-file", "8", "--no-progress"]
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +31,7 @@ def local_ray(request):
     if ray.is_initialized():
         ray.shutdown()
     dashboard = getattr(request.module, "RAY_DASHBOARD", False)
-    ray.init(num_cpus=2, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+    ray.init(address="local", num_cpus=2, include_dashboard=dashboard, dashboard_host="127.0.0.1",
              logging_level="WARNING")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()

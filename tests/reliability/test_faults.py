@@ -13,8 +13,10 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from dsv4batch.jobs.score import main
 from tests.reliability.conftest import FAST, finished, part_rows, parts
@@ -60,7 +62,8 @@ def test_killed_scoring_actor_is_restarted_and_the_job_completes(tmp_path, check
     def kill_one_scoring_actor():
         try:
             wait_for(lambda: parts(out), "the first part file")
-            actor = next(a for a in alive_pipeline_actors(local_ray) if "ScoringActor" in a.class_name)
+            actor = next(a for a in alive_pipeline_actors(local_ray)
+                         if "ScoringActor" in a.class_name)
             killed.update(pid=actor.pid, parts=len(parts(out)))
             os.kill(actor.pid, signal.SIGKILL)
         except Exception as exc:  # noqa: BLE001 - reported by the test below
@@ -105,6 +108,30 @@ def test_killed_driver_then_resume_scores_only_the_missing_rows(tmp_path, checkp
     assert main([*args, "--resume"]) == 0
     _, metrics = finished(out, ids)
     assert (metrics["rows"], metrics["rows_skipped"], metrics["num_actors"]) == (0, len(ids), 0)
+
+
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_resume_read_streams_only_the_rows_left(tmp_path, local_ray, with_ids):
+    """The read a resumed run scores: written rows dropped in the read tasks (by position), a
+    file with every row written not read at all, the same columns as a fresh read."""
+    from dsv4batch.pipeline.config import ScoreConfig
+    from dsv4batch.pipeline.read import inspect_input, read
+    from dsv4batch.pipeline.rowset import KEY_SHIFT, RowBitmap
+
+    d = tmp_path / "in"
+    d.mkdir()
+    ids = write_input(d / "a.parquet", 40, with_ids) + write_input(d / "b.parquet", 8, with_ids)
+    config = ScoreConfig(input=str(d), output=str(tmp_path / "out"))
+    info = inspect_input(config.input)
+    written = RowBitmap(info.files, info.file_rows)
+    written.add(np.array([0, 1, 2, 17, 39]))  # rows of a.parquet
+    written.add(np.arange(8) + (1 << KEY_SHIFT))  # all of b.parquet
+    pending = written.pending()
+    assert pending.files == [str(d / "a.parquet")] and pending.skipped == 13
+    rows = read(config, info, pending).take_all()
+    left = [i for k, i in enumerate(ids[:40]) if k not in (0, 1, 2, 17, 39)]
+    assert sorted(r["id"] for r in rows) == sorted(left)
+    assert all(sorted(r) == ["id", "prompt"] for r in rows)  # no path/row_hash left behind
 
 
 def test_resume_refuses_another_configuration(tmp_path, capsys):
