@@ -42,6 +42,7 @@ from dsv4batch.actors.scoring import ScoringActor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE_ROWS = 100_000
+READ_BLOCK_ROWS = 2_000
 WORDS = ("the of and to in is was for on that with as by at from his it an were are which this "
          "be or has had not first one their its new after who they have her she two been other "
          "when there all during into school time may years more most only over city some world "
@@ -174,10 +175,13 @@ def child_run(mode: str, src: str, out: str, batch_size: int) -> dict:
     from dsv4batch.pipeline.sink import ParquetPartSink
 
     _ray(os.cpu_count())
+    info = inspect_input(src)
+    # the same read-block size at N/10 and N (Ray Data's default aims at >= 200 read blocks, so
+    # blocks, and what a tokenize call holds, would grow with the dataset)
     config = resolve(ScoreConfig(input=src, output=out, model="tiny", progress=False,
                                  torch_threads=1, batch_size=batch_size if mode == "stream"
-                                 else ScoreConfig.batch_size))
-    info = inspect_input(src)
+                                 else ScoreConfig.batch_size,
+                                 num_blocks=max(1, info.num_rows // READ_BLOCK_ROWS)))
     check_input(info, config)
     collector = start_collector()
     sink = ParquetPartSink(out, rows_per_file=config.rows_per_file)
@@ -191,7 +195,8 @@ def child_run(mode: str, src: str, out: str, batch_size: int) -> dict:
     sampler.done.set()
     sampler.join()
     return {"rows": sink.result["rows"], "input_tokens": sink.result["input_tokens"],
-            "part_files": len(sink.result["files"]), "wall_s": round(wall, 2),
+            "read_blocks": config.num_blocks, "part_files": len(sink.result["files"]),
+            "wall_s": round(wall, 2),
             "rows_per_s": round(sink.result["rows"] / wall, 1),
             "memory_mib": sampler.report(before)}
 
