@@ -17,10 +17,18 @@ Memory is sampled from /proc every 0.5 s, per process: private memory (RssAnon: 
 heap, Arrow buffers; where accumulation would show) and total RSS. Total RSS also counts the
 pages of Ray's shared-memory object store a process has touched (RssShmem), which grow while
 blocks pass through the store's arena and are not the process's own. Driver: peak minus the
-value just before the run. Actors (Ray titles their processes `ray::<class>`): the largest
-peak per class.
+value just before the run, and its growth in the run's second half (`private_second_half`:
+accumulation keeps growing, a full buffer does not). Actors (Ray titles their processes
+`ray::<class>`): the largest peak per class.
+
+The driver holds the blocks that wait between steps when they are small (Ray keeps objects
+under 100 KiB in the owner's memory, not in the shared store): their volume is bounded by
+`max_buffered_mib`, so driver memory is flat from N/10 to N once N/10 rows fill that buffer
+(`--max-buffered-mib 8 --max-block-mib 1` shows it at N = 1M short prompts; the defaults fill it
+at ~600k).
 
     python -m dsv4batch.bench stream --rows 1000000 --json [--model-rows 2000]
+        [--max-block-mib MIB] [--max-buffered-mib MIB]
 """
 
 from __future__ import annotations
@@ -42,7 +50,6 @@ from dsv4batch.actors.scoring import ScoringActor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE_ROWS = 100_000
-READ_BLOCK_ROWS = 2_000
 WORDS = ("the of and to in is was for on that with as by at from his it an were are which this "
          "be or has had not first one their its new after who they have her she two been other "
          "when there all during into school time may years more most only over city some world "
@@ -123,6 +130,7 @@ class ActorSampler(threading.Thread):
     def __init__(self):
         super().__init__(daemon=True)
         self.peaks: dict[str, dict[str, int]] = {}
+        self.driver_timeline: list[int] = []  # driver private memory per sample
         self.done = threading.Event()
 
     def _record(self, name: str, pid) -> None:
@@ -132,6 +140,7 @@ class ActorSampler(threading.Thread):
 
     def sample(self) -> None:
         self._record("driver", "self")
+        self.driver_timeline.append(_status("self", "RssAnon"))
         for pid in _descendants(os.getpid()):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -152,6 +161,11 @@ class ActorSampler(threading.Thread):
         driver = self.peaks.get("driver", before)
         mib["driver_growth"] = {m: round((driver[m] - before[m]) / 2**20, 1) for m in before}
         mib.pop("driver", None)
+        # accumulation keeps growing to the end; a bounded buffer stops growing once full
+        line = self.driver_timeline
+        if len(line) >= 4:
+            mib["driver_growth"]["private_second_half"] = round(
+                (max(line) - max(line[:len(line) // 2])) / 2**20, 1)
         return mib
 
 
@@ -166,7 +180,8 @@ def _ray(cpus: int) -> None:
     configure_data_context()
 
 
-def child_run(mode: str, src: str, out: str, batch_size: int) -> dict:
+def child_run(mode: str, src: str, out: str, batch_size: int, block_mib: float | None,
+              buffer_mib: float | None) -> dict:
     """One pipeline run in this (fresh) process: rows/s and peak memory."""
     from dsv4batch.pipeline.config import ScoreConfig
     from dsv4batch.pipeline.graph import resolve, score
@@ -176,12 +191,12 @@ def child_run(mode: str, src: str, out: str, batch_size: int) -> dict:
 
     _ray(os.cpu_count())
     info = inspect_input(src)
-    # the same read-block size at N/10 and N (Ray Data's default aims at >= 200 read blocks, so
-    # blocks, and what a tokenize call holds, would grow with the dataset)
+    # blocks of at most ScoreConfig.max_block_mib at N/10 and N alike
     config = resolve(ScoreConfig(input=src, output=out, model="tiny", progress=False,
                                  torch_threads=1, batch_size=batch_size if mode == "stream"
                                  else ScoreConfig.batch_size,
-                                 num_blocks=max(1, info.num_rows // READ_BLOCK_ROWS)))
+                                 max_block_mib=block_mib or ScoreConfig.max_block_mib,
+                                 max_buffered_mib=buffer_mib))
     check_input(info, config)
     collector = start_collector()
     sink = ParquetPartSink(out, rows_per_file=config.rows_per_file)
@@ -195,7 +210,8 @@ def child_run(mode: str, src: str, out: str, batch_size: int) -> dict:
     sampler.done.set()
     sampler.join()
     return {"rows": sink.result["rows"], "input_tokens": sink.result["input_tokens"],
-            "read_blocks": config.num_blocks, "part_files": len(sink.result["files"]),
+            "max_block_mib": config.max_block_mib,
+            "max_buffered_mib": round(config.buffer_bytes() / 2**20, 2), "part_files": len(sink.result["files"]),
             "wall_s": round(wall, 2),
             "rows_per_s": round(sink.result["rows"] / wall, 1),
             "memory_mib": sampler.report(before)}
@@ -226,8 +242,12 @@ def child_scan(src: str, out: str) -> dict:
             "driver_growth_mib": sampler.report(before)["driver_growth"]}
 
 
-def spawn(*args) -> dict:
-    cmd = [sys.executable, "-m", "dsv4batch.bench", "stream", "--child", *map(str, args)]
+def spawn(args: argparse.Namespace, *child) -> dict:
+    """One child run in a fresh process, with this run's batch and block settings."""
+    flags = [f"--batch-size={args.batch_size}"]
+    flags += [f"--max-block-mib={args.max_block_mib}"] if args.max_block_mib else []
+    flags += [f"--max-buffered-mib={args.max_buffered_mib}"] if args.max_buffered_mib else []
+    cmd = [sys.executable, "-m", "dsv4batch.bench", "stream", *flags, "--child", *map(str, child)]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
@@ -255,17 +275,25 @@ def main(argv: list[str]) -> None:
                         help="rows per scoring batch in the stream run (with no forward, Ray's "
                              "per-batch cost would dominate at the default 32); the model run "
                              "uses the default")
+    parser.add_argument("--max-block-mib", type=float, default=None,
+                        help="ScoreConfig.max_block_mib of both runs (default: the config's)")
+    parser.add_argument("--max-buffered-mib", type=float, default=None,
+                        help="ScoreConfig.max_buffered_mib of both runs (default: the config's). "
+                             "Memory is flat from N/10 to N only once N/10 rows fill the buffer")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         kind, *rest = args.child
-        result = child_scan(*rest) if kind == "scan" else child_run(kind, *rest, args.batch_size)
+        result = (child_scan(*rest) if kind == "scan" else
+                  child_run(kind, *rest, args.batch_size, args.max_block_mib,
+                            args.max_buffered_mib))
         print(json.dumps(result))
         return
 
     tmp = tempfile.mkdtemp(prefix="dsv4batch-stream-")
     try:
         result = {"cpus": os.cpu_count(), "stream_batch_size": args.batch_size,
+                  "max_block_mib": args.max_block_mib, "max_buffered_mib": args.max_buffered_mib,
                   "scorer": {"stream": "zero-model (ScoringActor around log p = 0; the tiny "
                                        "model is too slow for this many rows on this machine)",
                              "model": "tiny"}}
@@ -274,9 +302,9 @@ def main(argv: list[str]) -> None:
             for rows in (n // 10, n) if n else ():
                 src, out = f"{tmp}/{mode}-{rows}-in", f"{tmp}/{mode}-{rows}-out"
                 write_input(src, rows)
-                runs[rows] = spawn(mode, src, out)
+                runs[rows] = spawn(args, mode, src, out)
                 if mode == "stream":
-                    runs[rows]["resume_scan"] = spawn("scan", src, out)
+                    runs[rows]["resume_scan"] = spawn(args, "scan", src, out)
                 shutil.rmtree(src if mode == "model" else tmp + "/none", ignore_errors=True)
             if n == 0:
                 continue

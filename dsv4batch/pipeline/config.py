@@ -98,8 +98,20 @@ class ScoreConfig:
                                   min=0)
     tokenize_concurrency: int = _f(2, "Most tokenize actors (the pool autoscales from 1).",
                                    group="resources", min=1)
-    num_blocks: int | None = _f(None, "Read blocks (Ray Data override_num_blocks); None: Ray "
-                                "Data's choice.", group="resources", min=1)
+    max_block_mib: float = _f(4.0, "Largest Ray Data block, in MiB (the dataset's "
+                              "DataContext.target_max_block_size): read and tokenize stream "
+                              "blocks of at most this size, so an actor's memory does not grow "
+                              "with the input. Ray's default, 128 MiB, is millions of short "
+                              "prompts per block (Ray's Parquet reader packs small files and row "
+                              "groups into one read task and ignores override_num_blocks).",
+                              group="resources", min=0.0625)
+    max_buffered_mib: float | None = _f(None, "Ray Data's object store budget for the run "
+                                        "(ExecutionOptions.resource_limits): how much read, "
+                                        "tokenized and scored data may wait between steps. "
+                                        "Without it the tokenizer runs ahead of the model "
+                                        "through the whole input, and small blocks (< 100 KiB) "
+                                        "wait in the driver's memory. None: 4 x max_block_mib "
+                                        "+ 16 per replica.", group="resources", min=1)
     # -- faults
     max_errored_rows: int | None = _f(None, "Most rows whose scoring failed (a batch that kept "
                                       "failing, an engine error) before the job stops (exit 1); "
@@ -146,6 +158,13 @@ class ScoreConfig:
         if clash:
             raise UsageError(f"keep_columns {sorted(clash)} clash with output columns; rename "
                              "them in the input")
+
+    def buffer_bytes(self) -> int:
+        """`max_buffered_mib` in bytes, with its default filled in."""
+        mib = self.max_buffered_mib
+        if mib is None:
+            mib = 4 * self.max_block_mib + 16 * self.replicas
+        return int(mib * 2**20)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ScoreConfig":

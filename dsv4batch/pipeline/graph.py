@@ -68,7 +68,9 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | Non
     `dataset` needs `config.text_column`, `config.id_column` (unique ids), the target and keep
     columns when configured. `stats`: the `StatsCollector` actor handle for throughput and the
     batch ledger; one is started when none is given (then `max_errored_rows` None: no limit).
-    The dataset's DataContext gets the fault settings of `cluster.fault_settings`. `scorer`: the
+    The dataset's DataContext gets the fault settings of `cluster.fault_settings`,
+    `config.max_block_mib` as its largest block and `config.buffer_bytes()` as its object store
+    budget. `scorer`: the
     scoring step class, `ScoringActor` or a subclass (bench/stream.py swaps the model out).
     """
     from ray.data import ActorPoolStrategy
@@ -83,6 +85,11 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | Non
     config = resolve(config)
     _check_schema(dataset, config)
     fault_settings(dataset.context)
+    # both apply to every step of this dataset, the read included (Ray reads them at execution)
+    dataset.context.target_max_block_size = int(config.max_block_mib * 2**20)
+    options = dataset.context.execution_options
+    options.resource_limits = options.resource_limits.copy(
+        object_store_memory=config.buffer_bytes())
     if stats is None:
         stats = start_collector(config.max_errored_rows)
     tokenized = dataset.map_batches(

@@ -149,7 +149,7 @@ def read(config: ScoreConfig, info: InputInfo, pending=None):
     located = derive or pending is not None
     ds = ray.data.read_parquet(files, filesystem=info.filesystem,
                                columns=S.input_columns(config, names), include_paths=located,
-                               include_row_hash=located, override_num_blocks=config.num_blocks)
+                               include_row_hash=located)
     if pending is not None and pending.done:
         from dsv4batch.pipeline.rowset import keep_pending
 
