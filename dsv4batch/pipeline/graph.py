@@ -70,8 +70,8 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | Non
     batch ledger; one is started when none is given (then `max_errored_rows` None: no limit).
     The dataset's DataContext gets the fault settings of `cluster.fault_settings`,
     `config.max_block_mib` as its largest block and `config.buffer_bytes()` as its object store
-    budget. `scorer`: the
-    scoring step class, `ScoringActor` or a subclass (bench/stream.py swaps the model out).
+    budget. `scorer`: the scoring step class, `ScoringActor` or a subclass (bench/stream.py swaps
+    the model out).
     """
     from ray.data import ActorPoolStrategy
 
