@@ -211,7 +211,8 @@ def child_run(mode: str, src: str, out: str, batch_size: int, block_mib: float |
     sampler.join()
     return {"rows": sink.result["rows"], "input_tokens": sink.result["input_tokens"],
             "max_block_mib": config.max_block_mib,
-            "max_buffered_mib": round(config.buffer_bytes() / 2**20, 2), "part_files": len(sink.result["files"]),
+            "max_buffered_mib": round(config.buffer_bytes() / 2**20, 2),
+            "part_files": len(sink.result["files"]),
             "wall_s": round(wall, 2),
             "rows_per_s": round(sink.result["rows"] / wall, 1),
             "memory_mib": sampler.report(before)}
