@@ -24,6 +24,30 @@ ALIASES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight
 EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
+STACKED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$")  # the model's [E, ...] experts
+
+
+def checkpoint_tensors(params: dict):
+    """(checkpoint name, tensor) per model tensor: stacked experts split into one per expert."""
+    for name, p in params.items():
+        m = STACKED.match(name)
+        if m:
+            for e in range(p.shape[0]):
+                yield f"{m.group(1)}.{e}.{m.group(2)}.weight", p[e]
+        else:
+            yield name, p
+
+
+def check_complete(params: dict, filled: set[str], unknown: list[str]) -> None:
+    """Every checkpoint tensor matched a parameter and every parameter was filled."""
+    if unknown:
+        raise ModelLoadError(f"{len(unknown)} checkpoint tensor(s) match no DeepSeek-V4 parameter, "
+                             f"e.g. {unknown[:3]}")
+    missing = sorted({n for n, _ in checkpoint_tensors(params)} - filled)
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
 def canonical(name: str) -> str:
     """Checkpoint tensor name -> the model's parameter name (experts keep their index: see EXPERT)."""
     name = name[len("model."):] if name.startswith("model.") else name
@@ -87,19 +111,7 @@ def load_state(model, files: list[str]) -> None:
                 with torch.no_grad():
                     target.copy_(tensor.to(target.dtype))
                 filled.add(name)
-    if unknown:
-        raise ModelLoadError(f"{len(unknown)} checkpoint tensor(s) match no DeepSeek-V4 parameter, "
-                             f"e.g. {unknown[:3]}")
-    expected = set()
-    for name, p in list(model.named_parameters()) + list(model.named_buffers(recurse=True)):
-        m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$", name)
-        if m:
-            expected.update(f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(p.shape[0]))
-        else:
-            expected.add(name)
-    missing = sorted(expected - filled)
-    if missing:
-        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+    check_complete(params, filled, unknown)
 
 
 def build_empty(cls, config, engine):
@@ -149,14 +161,8 @@ def save_checkpoint(model, path: str) -> None:
     from .tokenizer import packaged_tokenizer_path
 
     os.makedirs(path, exist_ok=True)
-    state = {}
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$", name)
-        if m:
-            for e in range(tensor.shape[0]):
-                state[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = tensor[e].detach().contiguous().cpu()
-        else:
-            state[name] = tensor.detach().contiguous().cpu()
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    state = {name: t.detach().contiguous().cpu() for name, t in checkpoint_tensors(params)}
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     model.config.to_json_file(os.path.join(path, "config.json"))
     shutil.copy(packaged_tokenizer_path(), os.path.join(path, "tokenizer.json"))

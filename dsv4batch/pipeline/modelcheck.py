@@ -11,7 +11,6 @@ failure there stops the job at the first actor.
 from __future__ import annotations
 
 import os
-import re
 
 from dsv4batch.pipeline.config import UsageError
 
@@ -33,18 +32,15 @@ def check_tensors(path: str, config) -> None:
     from safetensors import safe_open
 
     from dsv4batch.model.config import ModelLoadError
-    from dsv4batch.model.loader import EXPERT, IGNORED, canonical, safetensors_files
+    from dsv4batch.model.loader import (EXPERT, IGNORED, canonical, check_complete,
+                                        safetensors_files)
     from dsv4batch.model.model import DSv4Model
     from dsv4batch.model.quant import SCALE_SUFFIXES, scale_name
 
     with torch.device("meta"):
         model = DSv4Model(config)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    expected, filled, unknown = set(), set(), []
-    for name, p in params.items():
-        m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$", name)
-        expected.update([f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(p.shape[0])]
-                        if m else [name])
+    filled, unknown = set(), []
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as fh:
             names = set(fh.keys())
@@ -63,9 +59,4 @@ def check_tensors(path: str, config) -> None:
                     raise ModelLoadError(f"tensor {raw!r} in {os.path.basename(file)} has shape "
                                          f"{got}, expected {shape}")
                 filled.add(name)
-    if unknown:
-        raise ModelLoadError(f"{len(unknown)} checkpoint tensor(s) match no DeepSeek-V4 "
-                             f"parameter, e.g. {unknown[:3]}")
-    missing = sorted(expected - filled)
-    if missing:
-        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+    check_complete(params, filled, unknown)

@@ -55,6 +55,25 @@ def _match(parts: list[str], pats: list[str]) -> bool:
     return bool(parts) and fnmatch.fnmatchcase(parts[0], pats[0]) and _match(parts[1:], pats[1:])
 
 
+def read_footers(fs, files: list[str], what: str) -> list[tuple[int, Any]]:
+    """(row count, Arrow schema) per file from its footer, 16 at a time; a file that cannot be
+    read is a `UsageError` naming it (`what`: e.g. "Parquet file {!r}")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow.parquet as pq
+
+    def footer(f: str):
+        try:
+            with fs.open_input_file(f) as fh:
+                pf = pq.ParquetFile(fh)
+                return pf.metadata.num_rows, pf.schema_arrow
+        except Exception as exc:
+            raise UsageError(f"cannot read {what.format(f)}: {exc}") from exc
+
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(footer, files))
+
+
 def inspect_input(path: str) -> InputInfo:
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
@@ -79,18 +98,7 @@ def inspect_input(path: str) -> InputInfo:
         raise UsageError(f"cannot read Parquet file {files[0]!r}: {exc}") from exc
     num_rows, file_rows, schemas = None, None, {schema: files[0]}
     if len(files) <= MAX_FOOTERS:
-        from concurrent.futures import ThreadPoolExecutor
-
-        def footer(f: str):
-            try:
-                with fs.open_input_file(f) as fh:
-                    pf = pq.ParquetFile(fh)
-                    return pf.metadata.num_rows, pf.schema_arrow
-            except Exception as exc:
-                raise UsageError(f"cannot read Parquet file {f!r}: {exc}") from exc
-
-        with ThreadPoolExecutor(16) as pool:
-            footers = list(pool.map(footer, files))
+        footers = read_footers(fs, files, "Parquet file {!r}")
         file_rows = [n for n, _ in footers]
         num_rows = sum(file_rows)
         for f, (_, sch) in zip(files, footers):
@@ -110,12 +118,12 @@ def _is(t, kinds) -> bool:
 
 def check_input(info: InputInfo, config: ScoreConfig) -> None:
     """Columns exist in every file; text/target are strings, ids integers or strings."""
+    needed = S.input_columns(config, info.schema.names)
+    if config.id_column != "id" and config.id_column not in needed:
+        needed.append(config.id_column)  # an explicitly named id column must exist
     for schema, file in (info.schemas or {info.schema: info.files[0]}).items():
         where = f"input {info.path!r}" if file == info.files[0] else f"input file {file!r}"
         names = schema.names
-        needed = S.input_columns(config, info.schema.names)
-        if config.id_column != "id" and config.id_column not in needed:
-            needed.append(config.id_column)  # an explicitly named id column must exist
         S.check_columns("read", needed, names, where)
         for col in filter(None, (config.text_column, config.target_column)):
             t = schema.field(col).type

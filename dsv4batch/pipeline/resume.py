@@ -46,25 +46,18 @@ def check_config(output: str, config: ScoreConfig, log=None) -> dict:
 
 def finished_parts(output: str) -> Parts:
     """Part files in OUTPUT with their total row count and id type, from the footers."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import pyarrow.fs as pafs
-    import pyarrow.parquet as pq
+
+    from dsv4batch.pipeline.read import read_footers
 
     fs, root = open_fs(output)
     if fs.get_file_info(root).type != pafs.FileType.Directory:
         return Parts([], 0, None)
     files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(root))
                    if i.base_name.startswith(PART_PREFIX) and i.base_name.endswith(".parquet"))
-
-    def footer(f: str):
-        try:
-            with fs.open_input_file(f) as fh:
-                pf = pq.ParquetFile(fh)
-                return pf.metadata.num_rows, pf.schema_arrow.field("id").type
-        except Exception as exc:
-            raise UsageError(f"cannot read part file {f!r} in OUTPUT: {exc}") from exc
-
-    with ThreadPoolExecutor(16) as pool:
-        footers = list(pool.map(footer, files))
-    return Parts(files, sum(n for n, _ in footers), footers[0][1] if footers else None)
+    footers = read_footers(fs, files, "part file {!r} in OUTPUT")
+    for f, (_, schema) in zip(files, footers):
+        if "id" not in schema.names:
+            raise UsageError(f"cannot read part file {f!r} in OUTPUT: it has no 'id' column")
+    return Parts(files, sum(n for n, _ in footers),
+                 footers[0][1].field("id").type if footers else None)
