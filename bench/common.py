@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: timing, prompts, and the tiny model exported for transformers."""
+"""Shared benchmark helpers: timing, prompts, and our model exported for transformers."""
 
 from __future__ import annotations
 
@@ -24,19 +24,16 @@ def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[0] + rng.integers(3, vocab, size=n - 1).tolist() for n in lengths]
 
 
-def tiny_pair(engine=None):
-    """(our tiny DSv4Model, transformers' DeepseekV4ForCausalLM on the same weights)."""
+def hf_twin(model):
+    """transformers' DeepseekV4ForCausalLM (fp32, eager) on the same weights as our `DSv4Model`."""
     import torch
     from transformers import DeepseekV4ForCausalLM
 
-    from dsv4batch.model import DSv4Model
     from dsv4batch.model.loader import save_checkpoint
 
-    ours = DSv4Model.from_pretrained("tiny", engine=engine)
     path = tempfile.mkdtemp(prefix="dsv4batch-bench-")
-    save_checkpoint(ours, path)
-    hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return ours, hf
+    save_checkpoint(model, path)
+    return DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def emit(result: dict, as_json: bool) -> None:

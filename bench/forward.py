@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 
-from bench.common import best_of, emit, random_prompts
+from bench.common import best_of, emit, hf_twin, random_prompts
 
 
 def dsv4_shape_config():
@@ -36,27 +36,21 @@ def dsv4_shape_config():
     return cfg
 
 
-def build_pair(name: str, engine):
-    """(our DSv4Model, transformers' model) on identical seeded weights."""
-    from transformers import DeepseekV4ForCausalLM
-
-    from dsv4batch.model import DSv4Model
+def build_pair(name: str, config):
+    """(our Engine, transformers' model) on identical seeded weights."""
+    from dsv4batch.model import TINY, DSv4Model, Engine
     from dsv4batch.model.loader import save_checkpoint
-    from dsv4batch.model.tiny import tiny_state
+    from dsv4batch.model.tiny import seed_weights
 
-    if name == "tiny":
-        ours = DSv4Model.from_pretrained("tiny", engine=engine)
+    if name == TINY:
+        ours = Engine.from_pretrained(TINY, config=config)
     else:
-        model = DSv4Model(dsv4_shape_config(), engine)
-        with torch.no_grad():
-            for key, value in tiny_state(model).items():
-                (model.get_parameter if key in dict(model.named_parameters()) else model.get_buffer)(key).copy_(value)
+        model = DSv4Model(dsv4_shape_config())
+        seed_weights(model)
         path = tempfile.mkdtemp(prefix="dsv4batch-bench-")
         save_checkpoint(model, path)
-        ours = DSv4Model.from_pretrained(path, engine=engine)
-    path = tempfile.mkdtemp(prefix="dsv4batch-bench-")
-    save_checkpoint(ours, path)
-    return ours, DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ours = Engine.from_pretrained(path, config=config)
+    return ours, hf_twin(ours.model)
 
 
 def hf_score(hf, batch, head: bool = True):
@@ -71,13 +65,12 @@ def hf_score(hf, batch, head: bool = True):
 
 
 def ours_layers(ours, batch):
-    """score_tokens with the vocabulary projection skipped: the decoder stack's own cost."""
-    real = ours.token_logprobs
-    ours.token_logprobs = lambda hidden, targets: torch.zeros(hidden.shape[0])
+    """Engine.score with the vocabulary projection skipped: the decoder stack's own cost."""
+    ours.model.token_logprobs = lambda hidden, targets, slice_rows: torch.zeros(hidden.shape[0])
     try:
-        ours.score_tokens(batch)
+        ours.score(batch)
     finally:
-        ours.token_logprobs = real
+        del ours.model.token_logprobs  # the class's method again
 
 
 def main(argv):
@@ -89,20 +82,20 @@ def main(argv):
     args = parser.parse_args(argv)
     from dsv4batch.model import EngineConfig
 
-    engine = EngineConfig(max_num_batched_tokens=4096, max_model_len=16384)
+    config = EngineConfig(max_num_batched_tokens=4096, max_model_len=16384)
     result = {"bench": "forward", "threads": torch.get_num_threads(), "models": {}}
     for model_name in args.models.split(","):
-        ours, hf = build_pair(model_name, engine)
+        ours, hf = build_pair(model_name, config)
         cases = {f"single_{n}": [int(n)] for n in args.lengths.split(",")}
         cases["mixed_batch"] = [64, 200, 512, 700, 1024, 1500, 2048]
         rows = {}
         for name, case in cases.items():
-            batch = random_prompts(case, ours.config.vocab_size, seed=len(name))
+            batch = random_prompts(case, ours.model.config.vocab_size, seed=len(name))
             tokens = sum(len(ids) - 1 for ids in batch)
-            ours.score_tokens(batch)  # warm-up
+            _, stats = ours.score(batch)  # warm-up (step and chunk counts do not depend on timing)
             t = {k: float("inf") for k in ("ours", "hf", "ours_layers", "hf_layers")}
             for _ in range(args.repeats):  # interleaved, so machine noise hits both engines alike
-                t["ours"] = min(t["ours"], best_of(lambda: ours.score_tokens(batch), 1))
+                t["ours"] = min(t["ours"], best_of(lambda: ours.score(batch), 1))
                 t["hf"] = min(t["hf"], best_of(lambda: hf_score(hf, batch), 1))
                 t["ours_layers"] = min(t["ours_layers"], best_of(lambda: ours_layers(ours, batch), 1))
                 t["hf_layers"] = min(t["hf_layers"], best_of(lambda: hf_score(hf, batch, head=False), 1))
@@ -111,7 +104,7 @@ def main(argv):
                           "ours_layers_tok_s": round(tokens / t["ours_layers"], 1),
                           "hf_layers_tok_s": round(tokens / t["hf_layers"], 1),
                           "layers_speedup": round(t["hf_layers"] / t["ours_layers"], 2),
-                          "ours_steps": ours.last_stats["num_steps"], "ours_chunks": ours.last_stats["num_chunks"]}
+                          "ours_steps": stats.num_steps, "ours_chunks": stats.num_chunks}
         result["models"][model_name] = rows
         del ours, hf
     emit(result, args.json)

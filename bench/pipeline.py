@@ -35,10 +35,10 @@ def sample_rows(n: int):
     return table.slice(0, min(n, table.num_rows))
 
 
-def bare_loop(model, cfg, table, batch_size: int) -> dict:
+def bare_loop(engine, cfg, table, batch_size: int) -> dict:
     """Tokenize + score in-process, batch by batch, as the actor would see them."""
     from dsv4batch.pipeline import schema as S
-    from dsv4batch.pipeline.tokenize import Tokenize
+    from dsv4batch.pipeline.stages.tokenize import Tokenize
 
     tok = Tokenize(cfg)
     t0 = time.perf_counter()
@@ -46,7 +46,7 @@ def bare_loop(model, cfg, table, batch_size: int) -> dict:
     for start in range(0, table.num_rows, batch_size):
         batch = tok(table.slice(start, batch_size))
         reqs = [r for r in batch[S.INPUT_IDS].to_pylist() if len(r) > 1]
-        model.score_tokens(reqs)
+        engine.score(reqs)
         tokens += sum(len(r) for r in reqs)
     dt = time.perf_counter() - t0
     return {"batch_size": batch_size, "input_tokens": tokens, "seconds": round(dt, 3),
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> None:
     import ray
     import torch
 
-    from dsv4batch.model import DSv4Model, EngineConfig
+    from dsv4batch.model import Engine, EngineConfig
     from dsv4batch.pipeline.config import ScoreConfig
 
     threads = args.torch_threads
@@ -96,9 +96,9 @@ def main(argv: list[str]) -> None:
     tmp = tempfile.mkdtemp(prefix="dsv4batch-bench-")
     src = os.path.join(tmp, "in.parquet")
     pq.write_table(table, src)
-    model = DSv4Model.from_pretrained(args.model, engine=EngineConfig(**cfg.engine_kwargs()))
+    engine = Engine.from_pretrained(args.model, config=EngineConfig(**cfg.engine_kwargs()))
     sizes = sorted(set(args.batch_sizes) | {args.default_batch_size})
-    bare_before = {b: bare_loop(model, cfg, table, b) for b in sizes}
+    bare_before = {b: bare_loop(engine, cfg, table, b) for b in sizes}
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     try:
@@ -106,7 +106,7 @@ def main(argv: list[str]) -> None:
         default = pipeline_run(cfg, src, args.default_batch_size, cfg.batches_in_flight)
     finally:
         ray.shutdown()
-    bare_after = {b: bare_loop(model, cfg, table, b) for b in sizes}
+    bare_after = {b: bare_loop(engine, cfg, table, b) for b in sizes}
     bare = {b: max(bare_before[b]["tokens_per_s"], bare_after[b]["tokens_per_s"]) for b in sizes}
     for r in [*runs, default]:
         r["ratio_active"] = round(r["tokens_per_s_active"] / bare[r["batch_size"]], 3)

@@ -26,27 +26,31 @@ VARIANTS = {"fixed": dict(planner="fixed", sort_by_length=False),
             "dp+sorted": dict(planner="dp", sort_by_length=True)}
 
 
-def run_mix(model_cls, batch, repeats):
-    from dsv4batch.model import EngineConfig
+def run_mix(model, batch, repeats):
+    """Every variant: one Engine on the shared tiny `model`; stats of its last timed call."""
+    from dsv4batch.model import Engine, EngineConfig
 
     rows, base = {}, None
-    models = {name: model_cls.from_pretrained("tiny", engine=EngineConfig(
-        max_num_batched_tokens=2048, max_model_len=8192, prefill_chunk_size=4, **kw)) for name, kw in VARIANTS.items()}
+    engines = {name: Engine(model, EngineConfig(max_num_batched_tokens=2048, max_model_len=8192,
+                                                prefill_chunk_size=4, **kw)) for name, kw in VARIANTS.items()}
     tokens = sum(len(ids) - 1 for ids in batch)
-    for model in models.values():
-        model.score_tokens(batch)  # warm-up
+    stats = {name: engine.score(batch)[1] for name, engine in engines.items()}  # warm-up
+
+    def timed(name, engine):
+        stats[name] = engine.score(batch)[1]
+
     # interleave repeats so machine noise hits every variant alike
-    times = {name: float("inf") for name in models}
+    times = {name: float("inf") for name in engines}
     for _ in range(repeats):
-        for name, model in models.items():
-            times[name] = min(times[name], best_of(lambda: model.score_tokens(batch), 1))
-    for name, model in models.items():
-        st = model.last_stats
+        for name, engine in engines.items():
+            times[name] = min(times[name], best_of(lambda: timed(name, engine), 1))
+    for name in engines:
+        st = stats[name]
         rows[name] = {
-            "chunks_per_step": round(st["num_chunks"] / st["num_steps"], 2), "steps": st["num_steps"],
-            "workspace_elements": st["workspace_elements"], "peak_workspace_bytes": st["peak_workspace_bytes"],
-            "planner_us_per_step": round(1e6 * st["planner_s"] / st["num_steps"], 1),
-            "planner_share_of_forward": round(st["planner_s"] / times[name], 5),
+            "chunks_per_step": round(st.num_chunks / st.num_steps, 2), "steps": st.num_steps,
+            "workspace_elements": st.workspace_elements, "peak_workspace_bytes": st.peak_workspace_bytes,
+            "planner_us_per_step": round(1e6 * st.planner_s / st.num_steps, 1),
+            "planner_share_of_forward": round(st.planner_s / times[name], 5),
             "tokens_per_s": round(tokens / times[name], 1)}
         base = base or rows[name]
         rows[name]["speedup_vs_fixed"] = round(rows[name]["tokens_per_s"] / base["tokens_per_s"], 3)
@@ -98,14 +102,15 @@ def main(argv):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plot", default=None, help="write the workspace picture (PNG) here")
     args = parser.parse_args(argv)
-    from dsv4batch.model import DSv4Model
+    from dsv4batch.model import TINY, Engine
 
+    model = Engine.from_pretrained(TINY).model
     rng = np.random.default_rng(0)
     result = {"bench": "planner", "model": "tiny", "mixes": {}}
     for name, draw in MIXES.items():
         lengths = draw(rng, args.requests)
         batch = random_prompts(lengths, 129280, seed=1)
-        result["mixes"][name] = run_mix(DSv4Model, batch, args.repeats)
+        result["mixes"][name] = run_mix(model, batch, args.repeats)
     if args.plot:
         lengths = MIXES["lognormal"](np.random.default_rng(3), 40)
         plot(args.plot, lengths[np.cumsum(lengths) <= 8192])

@@ -5,7 +5,7 @@ Two pipelines, each at N/10 and N rows of short prompts, every run in a fresh pr
 its own driver and actors):
 
 * `stream`: the whole graph (read -> tokenize actors -> ScoringActor -> part-file sink, ledger
-  and metrics actor) with the actor's model replaced by `ZeroModel` (log p = 0 per token): the
+  and metrics actor) with the actor's model replaced by `ZeroEngine` (log p = 0 per token): the
   tiny model scores a few hundred tokens/s on 2 CPUs, far too slow for 1M rows, so this run
   measures everything around the forward. Output says `"scorer": "zero-model"`.
 * `model`: the same graph with the real `tiny` model, at `--model-rows` / 10 and `--model-rows`.
@@ -46,7 +46,8 @@ import time
 import numpy as np
 
 from bench.common import emit
-from dsv4batch.actors.scoring import ScoringActor
+from dsv4batch.model.stats import StepStats
+from dsv4batch.pipeline.stages.score import ScoringActor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE_ROWS = 100_000
@@ -57,19 +58,17 @@ WORDS = ("the of and to in is was for on that with as by at from his it an were 
          "united then made").split()
 
 
-class ZeroModel:
-    """Stands in for DSv4Model in the `stream` run: every scored token gets log p = 0."""
+class ZeroEngine:
+    """Stands in for the `Engine` in the `stream` run: every scored token gets log p = 0."""
 
-    last_stats: dict = {}
-
-    def score_tokens(self, requests):
-        return [np.zeros(len(r) - 1, np.float32) for r in requests]
+    def score(self, requests):
+        return [np.zeros(len(r) - 1, np.float32) for r in requests], StepStats(model_calls=1)
 
 
 class ZeroScorer(ScoringActor):
-    """`ScoringActor` (ledger, outputs, telemetry: all of it) around `ZeroModel`."""
+    """`ScoringActor` (ledger, outputs, telemetry: all of it) around `ZeroEngine`."""
 
-    load = staticmethod(lambda config, num_gpus: (ZeroModel(), "cpu", "none"))
+    load = staticmethod(lambda config, num_gpus: (ZeroEngine(), "cpu", "none"))
 
 
 def write_input(folder: str, rows: int, seed: int = 0) -> None:
@@ -209,22 +208,22 @@ def child_run(mode: str, src: str, out: str, batch_size: int, block_mib: float |
     wall = time.time() - t0
     sampler.done.set()
     sampler.join()
-    return {"rows": sink.result["rows"], "input_tokens": sink.result["input_tokens"],
+    return {"rows": sink.result.rows, "input_tokens": sink.result.input_tokens,
             "max_block_mib": config.max_block_mib,
             "max_buffered_mib": round(config.buffer_bytes() / 2**20, 2),
-            "part_files": len(sink.result["files"]),
+            "part_files": len(sink.result.files),
             "wall_s": round(wall, 2),
-            "rows_per_s": round(sink.result["rows"] / wall, 1),
+            "rows_per_s": round(sink.result.rows / wall, 1),
             "memory_mib": sampler.report(before)}
 
 
 def child_scan(src: str, out: str) -> dict:
     """The --resume id scan over INPUT and the ids OUTPUT holds: time and driver memory."""
     from dsv4batch.pipeline.config import ScoreConfig
-    from dsv4batch.pipeline.idscan import scan_ids
+    from dsv4batch.pipeline.fs import open_fs
+    from dsv4batch.pipeline.ids.scan import scan_ids
+    from dsv4batch.pipeline.output import finished_parts
     from dsv4batch.pipeline.read import inspect_input
-    from dsv4batch.pipeline.resume import finished_parts
-    from dsv4batch.pipeline.sink import open_fs
 
     _ray(os.cpu_count())
     config = ScoreConfig(input=src, output=out)

@@ -13,8 +13,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from dsv4batch.jobs.cli import parse_config
-    from dsv4batch.pipeline.config import UsageError
-    from dsv4batch.pipeline.runner import JobFailed, RowCountError
+    from dsv4batch.pipeline.errors import JobFailed, UsageError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -30,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dsv4batch: interrupted", file=sys.stderr)
         return 130
-    except (JobFailed, RowCountError) as exc:  # already worded for the user
+    except JobFailed as exc:  # already worded for the user
         print(f"dsv4batch: failed: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - the CLI reports every failure the same way

@@ -1,12 +1,20 @@
-"""DeepSeek-V4 model: loading (safetensors only), packed multi-step prefill, scoring.
+"""DeepSeek-V4 scoring: `Engine` (validate, schedule, score), `DSv4Model` (the computation).
 
-`from dsv4batch.model import DSv4Model, EngineConfig` imports torch; `dsv4batch` alone does not.
+Layout: `config` (EngineConfig, TINY, config.json), `loader` (every checkpoint rule),
+`tokenizer`, `engine`, `model` (+ `layers`, `attention`, `compressor`), `step` and `layout`
+(one packed prefill step), `stats`, `quant`, `tiny`. `Engine` and `DSv4Model` import torch
+lazily: `import dsv4batch.model` stays torch-free.
 """
 
-from .config import EngineConfig, ModelLoadError
+from .config import TINY, EngineConfig, ModelLoadError
+from .stats import StepStats
 
 
 def __getattr__(name):
+    if name == "Engine":
+        from .engine import Engine
+
+        return Engine
     if name == "DSv4Model":
         from .model import DSv4Model
 
@@ -14,4 +22,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["DSv4Model", "EngineConfig", "ModelLoadError"]
+__all__ = ["DSv4Model", "Engine", "EngineConfig", "ModelLoadError", "StepStats", "TINY"]

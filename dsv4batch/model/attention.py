@@ -1,8 +1,8 @@
 """DSv4 attention over a packed step: per planned chunk, gather a workspace and run the sparse kernel.
 
 Per chunk `(s, e, N, M)` of requests (from `dsv4batch.planner`, computed once per layer type):
-workspace [e - s, M, head_dim] from a reusable pool; rows [0, compressed_b) hold request b's
-compressed entries, rows [N, N + gather_b) its raw window tokens; combined indices (compressed
+workspace [e - s, M, head_dim] from the engine's `WorkspacePool`; rows [0, compressed_b) hold
+request b's compressed entries, rows [N, N + gather_b) its raw window tokens; combined indices (compressed
 top-k / all visible entries first, then the window, offset by M * b, -1 padded) feed one
 `sparse_mla_prefill` call. No `[T, T]` matrix, no padding of queries.
 """
@@ -19,13 +19,22 @@ from .layout import combine
 
 
 class WorkspacePool:
-    """One flat buffer reused by every chunk; `take(n, M, d)` views its front as [n, M, d]."""
+    """One flat buffer reused by every chunk of every layer and step (one per `Engine`).
+
+    `peak_bytes`: the largest workspace taken since the engine last reset it (once per score call).
+    """
 
     def __init__(self):
         self.buffer = None
         self.peak_bytes = 0
 
     def take(self, n: int, rows: int, dim: int, dtype, device) -> torch.Tensor:
+        """A [n, rows, dim] view of the buffer's front in `dtype`, uninitialised.
+
+        Every take reuses the same memory (a larger size or another dtype replaces the buffer), so
+        the view is only valid until the next `take`, which overwrites it. `peak_bytes` keeps the
+        largest view's size in bytes.
+        """
         numel = n * rows * dim
         if self.buffer is None or self.buffer.numel() < numel or self.buffer.dtype != dtype:
             self.buffer = torch.empty(numel, dtype=dtype, device=device)
@@ -100,7 +109,15 @@ class Attention(nn.Module):
         return self.wo_b(grouped_linear(grouped, w).flatten(1))
 
     def sparse_indices(self, chunk, lay, idx_table, iq, iw, positions):
-        """CSA combined indices for one chunk: each request's indexer top-k, then its window."""
+        """CSA combined indices for one chunk: each request's indexer top-k, then its window.
+
+        chunk: `ChunkLayout` of requests [s, e), queries [q0, q1) (s_q = q1 - q0 rows);
+        lay: the step's ratio-4 `RatioLayout`; idx_table [lay.entries_end, index_head_dim]: indexer
+        keys, rows aligned with the table's entry rows (`lay.entry_rows`); iq [T, index_n_heads,
+        index_head_dim] fp32 and iw [T, index_n_heads] fp32 from `Indexer.queries`; positions [T] int64.
+        Returns indices [s_q, K + window] int32 into the flattened workspace [(e - s) * M] (valid
+        slots first, -1 padded), K = min(index_topk, max(N, 1)), and topk_length [s_q] int32.
+        """
         width = min(self.indexer.topk, max(chunk.N, 1))
         picks = []
         for b in range(chunk.s, chunk.e):

@@ -1,4 +1,8 @@
-"""Model config (transformers' `DeepseekV4Config`) loading and the engine's own validated knobs."""
+"""Model config (transformers' `DeepseekV4Config`) loading, the engine's own validated knobs, `TINY`.
+
+A model is named either `TINY` (the embedded seeded model, `model/tiny.py`) or a local checkpoint
+folder; every rule that tells the two apart compares with `TINY`. No torch here.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,14 @@ import dataclasses
 import json
 import os
 
+from ..planner import PLANNER_NAMES
+
+TINY = "tiny"  # the embedded model's name; anything else is a checkpoint folder
 LAYER_RATIO_KEYS = {
     "sliding_attention": None,
     "compressed_sparse_attention": "compressed_sparse_attention",
     "heavily_compressed_attention": "heavily_compressed_attention",
 }
-PLANNERS = ("adaptive", "fixed", "dp", "single")
 
 
 class ModelLoadError(ValueError):
@@ -45,8 +51,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
-        if self.planner not in PLANNERS:
-            raise ValueError(f"EngineConfig.planner must be one of {PLANNERS}, got {self.planner!r}")
+        if self.planner not in PLANNER_NAMES:
+            raise ValueError(f"EngineConfig.planner must be one of {PLANNER_NAMES}, got {self.planner!r}")
         if self.attn_backend not in ("auto", "torch", "flashmla"):
             raise ValueError(f"EngineConfig.attn_backend must be auto|torch|flashmla, got {self.attn_backend!r}")
 
@@ -64,7 +70,7 @@ def load_config(path: str):
     from transformers import DeepseekV4Config
 
     if not os.path.isdir(path):
-        raise ModelLoadError(f"model path {path!r} is not a folder (give a checkpoint folder or 'tiny')")
+        raise ModelLoadError(f"model path {path!r} is not a folder (give a checkpoint folder or {TINY!r})")
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ModelLoadError(f"{path!r} has no config.json; a DeepSeek-V4 checkpoint folder needs one")

@@ -1,9 +1,14 @@
-"""Checkpoint loading: safetensors only, names looked up against the model's native attribute names.
+"""Every checkpoint rule: which folder, which files, which names, which shapes (safetensors only).
 
-Accepted names: the native DeepSeek ones (`embed.weight`, `layers.0.attn.wq_a.weight`,
-`layers.0.ffn.experts.3.w1.weight`, ...), optionally under `model.`, and the mixed form
-transformers' `save_pretrained` writes (`model.embed_tokens.weight`, `model.hc_head.hc_fn`, ...).
-`mtp.*` (multi-token prediction) tensors are ignored. Every problem names the tensor.
+A model is `TINY` (embedded, seeded: `model/tiny.py`) or a local checkpoint folder with
+config.json and *.safetensors. Accepted tensor names: the native DeepSeek ones (`embed.weight`,
+`layers.0.attn.wq_a.weight`, `layers.0.ffn.experts.3.w1.weight`, ...), optionally under
+`model.`, and the mixed form transformers' `save_pretrained` writes (`model.embed_tokens.weight`,
+`model.hc_head.hc_fn`, ...). `mtp.*` (multi-token prediction) tensors are ignored.
+
+One walk (`matched_tensors`) matches checkpoint names to model tensors for both `load_state`
+(reads values) and `check_checkpoint` (headers only, on a `meta` model), so the two cannot
+disagree. Every problem raises `ModelLoadError` naming the tensor.
 """
 
 from __future__ import annotations
@@ -12,19 +17,21 @@ import glob
 import json
 import os
 import re
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
-from .config import EngineConfig, ModelLoadError, load_config
+from .config import TINY, ModelLoadError, load_config
+from .model import DSv4Model, model_tensors
 from .quant import SCALE_SUFFIXES, dequantize, scale_name
 
 IGNORED = re.compile(r"^mtp\.")
 ALIASES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
            "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
-
-
 STACKED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$")  # the model's [E, ...] experts
+KEEP_FP32 = re.compile(r"(norm|hc_|attn_sink|ape|gate\.bias)")  # DSv4 keeps these fp32 in any dtype
 
 
 def checkpoint_tensors(params: dict):
@@ -54,6 +61,15 @@ def canonical(name: str) -> str:
     return ALIASES.get(name, name)
 
 
+def target_tensor(params: dict, name: str):
+    """The model tensor a canonical checkpoint name fills (one expert's row of a stacked one), or None."""
+    m = EXPERT.match(name)
+    if m is None:
+        return params.get(name)
+    stacked, expert = params.get(f"{m.group(1)}.{m.group(3)}"), int(m.group(2))
+    return None if stacked is None or expert >= stacked.shape[0] else stacked[expert]
+
+
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -72,80 +88,110 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def load_state(model, files: list[str]) -> None:
-    """Copy every checkpoint tensor into `model`, checking names, shapes and finiteness."""
+@dataclass
+class Match:
+    """One checkpoint tensor and the model tensor it fills."""
+
+    raw: str  # its name in the checkpoint
+    file: str  # the shard holding it
+    handle: Any  # the open `safe_open` shard
+    names: set[str]  # every name in that shard (a quantized weight's scale sits beside it)
+    target: torch.Tensor  # the model tensor (an expert's row of a stacked [E, ...] parameter)
+
+    @property
+    def scale(self) -> str | None:
+        return scale_name(self.raw, self.names)
+
+    def check_shape(self, shape) -> None:
+        if tuple(shape) != tuple(self.target.shape):
+            raise ModelLoadError(f"tensor {self.raw!r} in {os.path.basename(self.file)} has shape "
+                                 f"{tuple(shape)}, expected {tuple(self.target.shape)}")
+
+
+def matched_tensors(params: dict, files: list[str]) -> Iterator[Match]:
+    """Walk `files` (sorted names per shard) and yield a `Match` per tensor that fills `params`.
+
+    Ignored (`mtp.*`) and scale tensors are skipped (scales are read with their weight); a name
+    matching no model tensor (an expert index out of range included) is collected. A match
+    counts as filled once the caller takes the next one. When the walk ends, unknown names or
+    unfilled model tensors raise `ModelLoadError` (`check_complete`).
+    """
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())
-    params.update(model.named_buffers())
-    filled = set()
-    unknown = []
+    filled, unknown = set(), []
     for file in files:
         with safe_open(file, framework="pt") as fh:
             names = set(fh.keys())
             for raw in sorted(names):
                 if IGNORED.match(raw) or raw.endswith(SCALE_SUFFIXES):
-                    continue  # scales are read with their weight
+                    continue
                 name = canonical(raw)
-                m = EXPERT.match(name)
-                target_name = f"{m.group(1)}.{m.group(3)}" if m else name
-                if target_name not in params:
+                target = target_tensor(params, name)
+                if target is None:
                     unknown.append(raw)
                     continue
-                target = params[target_name][int(m.group(2))] if m else params[target_name]
-                tensor = fh.get_tensor(raw)
-                scale = scale_name(raw, names)
-                if scale is not None:
-                    try:
-                        tensor = dequantize(tensor, fh.get_tensor(scale), tuple(target.shape))
-                    except ValueError as exc:
-                        raise ModelLoadError(f"tensor {raw!r}: {exc}") from exc
-                elif tensor.dtype in (torch.float8_e4m3fn, torch.int8) and target.is_floating_point():
-                    raise ModelLoadError(f"tensor {raw!r} is quantized ({tensor.dtype}) but its scale "
-                                         f"({raw[:-len('.weight')]}.scale) is not in the same shard")
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ModelLoadError(f"tensor {raw!r} in {os.path.basename(file)} has shape "
-                                         f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    raise ModelLoadError(f"tensor {raw!r} in {os.path.basename(file)} has NaN or Inf values")
-                with torch.no_grad():
-                    target.copy_(tensor.to(target.dtype))
+                yield Match(raw, file, fh, names, target)
                 filled.add(name)
     check_complete(params, filled, unknown)
 
 
-def build_empty(cls, config, engine):
-    """The module tree without running default initialisers (every tensor is loaded next)."""
-    with torch.device("meta"):
-        model = cls(config, engine)
-    return model.to_empty(device="cpu")
-
-
-def load_model(cls, path_or_name: str, *, device="cpu", dtype=torch.float32, engine: EngineConfig | None = None):
-    """Build `cls` from a checkpoint folder or the embedded 'tiny', on `device` in `dtype`."""
-    from .tokenizer import load_tokenizer
-
-    if path_or_name == "tiny":
-        from .tiny import tiny_config, tiny_state
-
-        model = build_empty(cls, tiny_config(), engine)
+def load_state(model, files: list[str]) -> None:
+    """Copy every checkpoint tensor into `model`, checking names, shapes and finiteness."""
+    for match in matched_tensors(model_tensors(model), files):
+        raw, target = match.raw, match.target
+        tensor = match.handle.get_tensor(raw)
+        scale = match.scale
+        if scale is not None:
+            try:
+                tensor = dequantize(tensor, match.handle.get_tensor(scale), tuple(target.shape))
+            except ValueError as exc:
+                raise ModelLoadError(f"tensor {raw!r}: {exc}") from exc
+        elif tensor.dtype in (torch.float8_e4m3fn, torch.int8) and target.is_floating_point():
+            raise ModelLoadError(f"tensor {raw!r} is quantized ({tensor.dtype}) but its scale "
+                                 f"({raw[:-len('.weight')]}.scale) is not in the same shard")
+        match.check_shape(tensor.shape)
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ModelLoadError(f"tensor {raw!r} in {os.path.basename(match.file)} has NaN or Inf values")
         with torch.no_grad():
-            for name, tensor in tiny_state(model).items():
-                model.get_parameter(name).copy_(tensor) if name in dict(model.named_parameters()) \
-                    else model.get_buffer(name).copy_(tensor)
-        tok_path = None
+            target.copy_(tensor.to(target.dtype))
+
+
+def meta_model(config) -> DSv4Model:
+    """The module tree on torch's `meta` device: names and shapes, no memory, no initialisers."""
+    with torch.device("meta"):
+        return DSv4Model(config)
+
+
+def check_checkpoint(path: str) -> None:
+    """Raise `ModelLoadError` unless the folder `path` would load (no tensor data is read).
+
+    config.json must be a DeepSeek-V4 config and every safetensors tensor must match a tensor of
+    the model it describes, with its shape (from the headers), none missing. Quantized tensors'
+    shapes and all values (NaN/Inf) are only checked by `load_model`. `TINY` is always fine.
+    """
+    if path == TINY:
+        return
+    model = meta_model(load_config(path))
+    for match in matched_tensors(model_tensors(model), safetensors_files(path)):
+        if match.scale is None:  # a quantized tensor's stored shape is not the parameter's
+            match.check_shape(match.handle.get_slice(match.raw).get_shape())
+
+
+def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32) -> DSv4Model:
+    """A `DSv4Model` from a checkpoint folder or `TINY`, on `device` in `dtype` (norms etc. stay fp32)."""
+    if path_or_name == TINY:
+        from .tiny import seed_weights, tiny_config
+
+        model = meta_model(tiny_config()).to_empty(device="cpu")
+        seed_weights(model)
     else:
         config = load_config(path_or_name)
-        model = build_empty(cls, config, engine)
+        model = meta_model(config).to_empty(device="cpu")  # every tensor is loaded next
         load_state(model, safetensors_files(path_or_name))
-        tok_path = path_or_name if os.path.isfile(os.path.join(path_or_name, "tokenizer.json")) else None
-    keep_fp32 = re.compile(r"(norm|hc_|attn_sink|ape|gate\.bias)")
     for name, p in model.named_parameters():
-        if not keep_fp32.search(name):
+        if not KEEP_FP32.search(name):
             p.data = p.data.to(dtype)
-    model.to(device).eval()
-    model.tokenizer = load_tokenizer(tok_path)
-    return model
+    return model.to(device).eval()
 
 
 def save_checkpoint(model, path: str) -> None:
@@ -161,8 +207,7 @@ def save_checkpoint(model, path: str) -> None:
     from .tokenizer import packaged_tokenizer_path
 
     os.makedirs(path, exist_ok=True)
-    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    state = {name: t.detach().contiguous().cpu() for name, t in checkpoint_tensors(params)}
+    state = {name: t.detach().contiguous().cpu() for name, t in checkpoint_tensors(model_tensors(model))}
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     model.config.to_json_file(os.path.join(path, "config.json"))
     shutil.copy(packaged_tokenizer_path(), os.path.join(path, "tokenizer.json"))

@@ -1,14 +1,17 @@
-"""The embedded `tiny` model: a scaled-down DSv4 with seeded weights and the real tokenizer.
+"""The embedded `TINY` model: a scaled-down DSv4 with seeded weights (the engine adds the real tokenizer).
 
 Same numbers on every machine: weights come from numpy's PCG64 stream (platform independent)
 in sorted-name order. All three attention layer types, hash and top-k MoE, hc_mult 4, window
 128, compress rates 4/128, and index_topk 16 so the indexer prunes beyond 64 tokens.
+`loader.load_model(TINY)` builds it; `seed_weights` fills any `DSv4Model` the same way.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .model import model_tensors
 
 SEED = 20260609
 
@@ -27,13 +30,20 @@ def tiny_config():
     )
 
 
+def seed_weights(model) -> None:
+    """Fill every tensor of `model` (any DSv4 shape) in place with `tiny_state(model)`."""
+    tensors = model_tensors(model)
+    with torch.no_grad():
+        for name, tensor in tiny_state(model).items():
+            tensors[name].copy_(tensor)
+
+
 def tiny_state(model) -> dict[str, torch.Tensor]:
     """Seeded values for every parameter/buffer of a `DSv4Model` built from `tiny_config()`."""
     rng = np.random.Generator(np.random.PCG64(SEED))
     cfg = model.config
     state = {}
-    tensors = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
+    tensors = model_tensors(model)
     for name in sorted(tensors):
         shape = tuple(tensors[name].shape)
         if name.endswith("tid2eid"):

@@ -32,20 +32,8 @@ def configure_data_context(progress_bars: bool = False) -> None:
     """Ray Data settings for a scoring run (set before the dataset is built)."""
     from ray.data import DataContext
 
+    from dsv4batch.pipeline.faults import fault_settings
+
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = progress_bars
     fault_settings(ctx)
-
-
-def fault_settings(ctx) -> None:
-    """The Ray Data fault handling the row contract relies on, on a (dataset's) DataContext."""
-    from dsv4batch.actors.errors import RETRIED
-
-    ctx.max_errored_blocks = 0  # a failed block fails the run: rows are never dropped silently
-    # a BatchError is retried (the ledger bounds the attempts); Ray matches the retry list
-    # against the exception the task raised, so Ray Data must not wrap it in UserCodeException
-    ctx.raise_original_map_exception = True
-    ctx.actor_task_retry_on_errors = list(RETRIED)
-    # a model that cannot load fails the job at the first actor, not after endless replacements
-    ctx.max_consecutive_actor_init_deaths = 0
-    ctx.actor_init_retry_on_errors = False

@@ -13,14 +13,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv4batch.model.config import PLANNERS  # light module: no torch
+from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.pipeline.schema import output_names
+from dsv4batch.planner import PLANNER_NAMES  # numpy only: no torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATE = ("none", "left", "right")
-
-
-class UsageError(ValueError):
-    """A bad argument, path or column: reported to the user (CLI exit code 2), never retried."""
 
 
 def _f(default: Any, help: str, *, choices: tuple | None = None, group: str = "scoring",
@@ -75,7 +73,7 @@ class ScoreConfig:
                                         "length (None: the engine's default).", group="engine",
                                         min=1)
     planner: str = _f("adaptive", "Prefill chunk planner (adaptive: vllm#45061; fixed: chunks of "
-                      "prefill_chunk_size).", choices=PLANNERS, group="engine")
+                      "prefill_chunk_size).", choices=PLANNER_NAMES, group="engine")
     sort_by_length: bool = _f(True, "Let the engine sort a batch's requests by length.",
                               group="engine")
     # -- resources and Ray Data
@@ -153,7 +151,6 @@ class ScoreConfig:
         if self.id_column in self.keep_columns:
             raise UsageError(f"keep_columns: the id column {self.id_column!r} is always written "
                              "(as 'id'); do not list it")
-        from dsv4batch.pipeline.schema import output_names
         clash = set(self.keep_columns) & set(output_names(True, True))
         if clash:
             raise UsageError(f"keep_columns {sorted(clash)} clash with output columns; rename "

@@ -14,7 +14,8 @@ import warnings
 from typing import Any
 
 from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig, UsageError
+from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.errors import UsageError
 
 
 def resolve(config: ScoreConfig) -> ScoreConfig:
@@ -52,7 +53,7 @@ def resolve(config: ScoreConfig) -> ScoreConfig:
 
 
 def _check_schema(dataset, config: ScoreConfig) -> None:
-    from dsv4batch.pipeline.tokenize import Tokenize
+    from dsv4batch.pipeline.stages.tokenize import Tokenize
 
     try:
         schema = dataset.schema(fetch_if_missing=False)
@@ -68,17 +69,17 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | Non
     `dataset` needs `config.text_column`, `config.id_column` (unique ids), the target and keep
     columns when configured. `stats`: the `StatsCollector` actor handle for throughput and the
     batch ledger; one is started when none is given (then `max_errored_rows` None: no limit).
-    The dataset's DataContext gets the fault settings of `cluster.fault_settings`,
+    The dataset's DataContext gets the fault settings of `faults.fault_settings`,
     `config.max_block_mib` as its largest block and `config.buffer_bytes()` as its object store
     budget. `scorer`: the scoring step class, `ScoringActor` or a subclass (bench/stream.py swaps
     the model out).
     """
     from ray.data import ActorPoolStrategy
 
-    from dsv4batch.actors.scoring import ScoringActor
-    from dsv4batch.pipeline.cluster import fault_settings
+    from dsv4batch.pipeline.faults import fault_settings
     from dsv4batch.pipeline.metrics import start_collector
-    from dsv4batch.pipeline.tokenize import Tokenize
+    from dsv4batch.pipeline.stages.score import ScoringActor
+    from dsv4batch.pipeline.stages.tokenize import Tokenize
 
     if not isinstance(config, ScoreConfig):
         raise UsageError(f"config must be a ScoreConfig, got {type(config).__name__}")

@@ -1,10 +1,10 @@
-"""Throughput accounting: a `StatsCollector` Ray actor fed by the steps, and the run summary.
+"""Throughput accounting: a `StatsCollector` Ray actor fed by the stages, and the run summary.
 
-Scoring actors push one small dict per batch and tokenize tasks one per batch
+Scoring actors push one `BatchStats` per batch and tokenize actors one small call per batch
 (fire-and-forget); the driver polls `snapshot()` for live progress and builds the summary
 (`_metrics.json`) at the end. Row and token totals in the summary come from what the sink
-wrote, so a retried batch is never counted twice; timings come from the collector. The same
-actor keeps the batch ledger (`dsv4batch.pipeline.ledger`): attempts and failed rows.
+wrote (`Written`), so a retried batch is never counted twice; timings come from the collector.
+The same actor keeps the batch ledger (`faults.BatchLedger`): attempts and failed rows.
 """
 
 from __future__ import annotations
@@ -12,42 +12,33 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dsv4batch.pipeline.ledger import BatchLedger
-
-_SUMS = ("batches", "rows", "rows_scored", "rows_errored", "rows_failed", "input_tokens",
-         "scored_tokens", "busy_s", "forward_s", "planner_s", "num_steps", "num_chunks",
-         "model_calls")
+from dsv4batch.pipeline.faults import BatchLedger
+from dsv4batch.pipeline.stats import BatchStats, Written
 
 
 class StatsCollector(BatchLedger):
     def __init__(self, max_failed_rows: int | None = None):
         super().__init__(max_failed_rows)
-        self.actors: dict[str, dict[str, Any]] = {}
+        self.info: dict[str, dict[str, Any]] = {}  # actor id -> what register_actor said
+        self.stats: dict[str, BatchStats] = {}  # actor id -> its batches, summed
+        self.pids: dict[str, list] = {}
         self.tokenize = {"batches": 0, "rows": 0, "seconds": 0.0}
 
-    def _actor(self, actor_id: str) -> dict[str, Any]:
-        if actor_id not in self.actors:
-            self.actors[actor_id] = {"actor_id": actor_id, **{k: 0 for k in _SUMS},
-                                     "peak_workspace_bytes": 0, "t_first": None, "t_last": None,
-                                     "pids": []}
-        return self.actors[actor_id]
+    def _actor(self, actor_id: str) -> None:
+        self.info.setdefault(actor_id, {"actor_id": actor_id})
+        self.stats.setdefault(actor_id, BatchStats())
+        self.pids.setdefault(actor_id, [])
 
     def register_actor(self, info: dict[str, Any]) -> None:
         """Called by each scoring actor process once its model is loaded (again after a
         restart: Ray keeps the actor id, the process id changes)."""
-        a = self._actor(info["actor_id"])
-        a.update(info)
-        a["pids"].append(info.get("pid"))
+        self._actor(info["actor_id"])
+        self.info[info["actor_id"]].update(info)
+        self.pids[info["actor_id"]].append(info.get("pid"))
 
-    def record_batch(self, actor_id: str, stats: dict[str, Any]) -> None:
-        a = self._actor(actor_id)
-        a["batches"] += 1
-        for k in _SUMS[1:]:
-            a[k] += stats.get(k, 0) or 0
-        a["peak_workspace_bytes"] = max(a["peak_workspace_bytes"],
-                                        stats.get("peak_workspace_bytes", 0) or 0)
-        a["t_first"] = min(filter(None, (a["t_first"], stats["t_start"])))
-        a["t_last"] = max(filter(None, (a["t_last"], stats["t_end"])))
+    def record_batch(self, actor_id: str, stats: BatchStats) -> None:
+        self._actor(actor_id)
+        self.stats[actor_id] += stats
 
     def record_tokenize(self, rows: int, seconds: float) -> None:
         self.tokenize["batches"] += 1
@@ -55,7 +46,9 @@ class StatsCollector(BatchLedger):
         self.tokenize["seconds"] += seconds
 
     def snapshot(self) -> dict[str, Any]:
-        return {"actors": [{**a, "pids": list(a["pids"])} for a in self.actors.values()],
+        """{"actors": [info + BatchStats fields + pids per actor], "tokenize", "ledger", "time"}."""
+        return {"actors": [{**self.info[a], **self.stats[a].to_dict(), "pids": list(self.pids[a])}
+                           for a in self.info],
                 "tokenize": dict(self.tokenize), "ledger": self.ledger_snapshot(),
                 "time": time.time()}
 
@@ -71,7 +64,7 @@ def _rate(x: float, s: float) -> float:
     return round(x / s, 3) if s > 0 else 0.0
 
 
-def summarize(snapshot: dict, written: dict, wall_s: float, extra: dict | None = None) -> dict:
+def summarize(snapshot: dict, written: Written, wall_s: float, extra: dict | None = None) -> dict:
     """The `_metrics.json` document: totals, rates overall and per actor, time breakdown."""
     actors = sorted(snapshot["actors"], key=lambda a: (str(a.get("node_id")), a["actor_id"]))
     starts = [a["t_first"] for a in actors if a["t_first"]]
@@ -92,15 +85,15 @@ def summarize(snapshot: dict, written: dict, wall_s: float, extra: dict | None =
             "num_chunks": a["num_chunks"], "peak_workspace_bytes": a["peak_workspace_bytes"]})
     tok = snapshot["tokenize"]
     return {
-        "rows": written["rows"], "rows_scored": written["rows"] - written["rows_errored"],
-        "rows_errored": written["rows_errored"],
+        "rows": written.rows, "rows_scored": written.rows - written.rows_errored,
+        "rows_errored": written.rows_errored,
         "rows_failed": snapshot.get("ledger", {}).get("failed_rows", 0),
-        "input_tokens": written["input_tokens"],
-        "scored_tokens": written["scored_tokens"], "wall_s": round(wall_s, 3),
-        "tokens_per_s": _rate(written["input_tokens"], wall_s),
-        "scored_tokens_per_s": _rate(written["scored_tokens"], wall_s),
-        "rows_per_s": _rate(written["rows"], wall_s),
-        "active_s": round(active, 3), "active_tokens_per_s": _rate(written["input_tokens"], active),
+        "input_tokens": written.input_tokens,
+        "scored_tokens": written.scored_tokens, "wall_s": round(wall_s, 3),
+        "tokens_per_s": _rate(written.input_tokens, wall_s),
+        "scored_tokens_per_s": _rate(written.scored_tokens, wall_s),
+        "rows_per_s": _rate(written.rows, wall_s),
+        "active_s": round(active, 3), "active_tokens_per_s": _rate(written.input_tokens, active),
         "time_s": {"tokenize": round(tok["seconds"], 3),
                    "actor_busy": round(sum(a["busy_s"] for a in actors), 3),
                    "forward": round(sum(a["forward_s"] for a in actors), 3),
@@ -110,8 +103,9 @@ def summarize(snapshot: dict, written: dict, wall_s: float, extra: dict | None =
         "num_steps": sum(a["num_steps"] for a in actors),
         "num_chunks": sum(a["num_chunks"] for a in actors),
         "peak_workspace_bytes": max((a["peak_workspace_bytes"] for a in actors), default=0),
-        "faults": {k: v for k, v in snapshot.get("ledger", {}).items() if k != "stop"},
-        "num_actors": len(actors), "actors": per_actor, "files": written.get("files", []),
+        "faults": {k: v for k, v in snapshot.get("ledger", {}).items()
+                   if k not in ("stop", "load_failure")},
+        "num_actors": len(actors), "actors": per_actor, "files": written.files,
         **(extra or {})}
 
 

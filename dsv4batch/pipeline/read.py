@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig, UsageError
-from dsv4batch.pipeline.sink import open_fs
+from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.pipeline.fs import open_fs, read_footers
 
 MAX_FOOTERS = 20_000  # count rows from footers up to this many files (else: unknown total)
 _WILDCARDS = "*?["
@@ -53,25 +54,6 @@ def _match(parts: list[str], pats: list[str]) -> bool:
     if pats[0] == "**":
         return any(_match(parts[i:], pats[1:]) for i in range(len(parts) + 1))
     return bool(parts) and fnmatch.fnmatchcase(parts[0], pats[0]) and _match(parts[1:], pats[1:])
-
-
-def read_footers(fs, files: list[str], what: str) -> list[tuple[int, Any]]:
-    """(row count, Arrow schema) per file from its footer, 16 at a time; a file that cannot be
-    read is a `UsageError` naming it (`what`: e.g. "Parquet file {!r}")."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import pyarrow.parquet as pq
-
-    def footer(f: str):
-        try:
-            with fs.open_input_file(f) as fh:
-                pf = pq.ParquetFile(fh)
-                return pf.metadata.num_rows, pf.schema_arrow
-        except Exception as exc:
-            raise UsageError(f"cannot read {what.format(f)}: {exc}") from exc
-
-    with ThreadPoolExecutor(16) as pool:
-        return list(pool.map(footer, files))
 
 
 def inspect_input(path: str) -> InputInfo:
@@ -137,16 +119,10 @@ def check_input(info: InputInfo, config: ScoreConfig) -> None:
                                  "expected integers or strings")
 
 
-def derive_ids(batch, root: str, id_column: str):
-    from dsv4batch.pipeline.ids import DeriveIds
-
-    return DeriveIds(root, id_column)(batch)
-
-
 def read(config: ScoreConfig, info: InputInfo, pending=None):
     """`ray.data.read_parquet` of the needed columns; derives ids when the input has none.
 
-    `pending` (a `rowset.Pending` from the id scan on --resume): only its files are read, and
+    `pending` (an `ids.rowset.Pending` from the id scan on --resume): only its files are read, and
     rows already in OUTPUT are dropped before anything else runs.
     """
     import ray
@@ -159,12 +135,14 @@ def read(config: ScoreConfig, info: InputInfo, pending=None):
                                columns=S.input_columns(config, names), include_paths=located,
                                include_row_hash=located)
     if pending is not None and pending.done:
-        from dsv4batch.pipeline.rowset import keep_pending
+        from dsv4batch.pipeline.ids.rowset import keep_pending
 
         ds = ds.map_batches(keep_pending, fn_kwargs={"done": pending.done},
                             batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
                             udf_modifying_row_count=True)
     if derive:
+        from dsv4batch.pipeline.ids.derive import derive_ids
+
         ds = ds.map_batches(derive_ids,
                             fn_kwargs={"root": info.root, "id_column": config.id_column},
                             batch_format="pyarrow", batch_size=None, zero_copy_batch=True,

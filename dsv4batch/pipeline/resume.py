@@ -1,27 +1,16 @@
-"""`--resume`: the run recorded in OUTPUT (its `_job.json` and finished part files).
+"""`--resume`: the configuration recorded in OUTPUT's `_job.json` must still hold.
 
 A resumed run must produce rows the first run could have produced: the fields of
 `ScoreConfig.result_fields` (model, dtype, columns, scoring options) must equal the recorded
-ones, and a difference is refused by name. Part files are complete by construction (written
-under a temporary name, then renamed), so every id in them is done; their row counts come from
-the Parquet footers, the ids themselves are only ever read by the Ray Data id scan.
+ones, and a difference is refused by name. The finished part files are listed by
+`output.finished_parts`; their ids are only ever read by the Ray Data id scan (`ids.scan`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from dsv4batch.pipeline import output as O
-from dsv4batch.pipeline.config import ScoreConfig, UsageError
-from dsv4batch.pipeline.sink import PART_PREFIX, open_fs
-
-
-@dataclass
-class Parts:
-    files: list[str]  # finished part files (paths inside the OUTPUT filesystem)
-    rows: int
-    id_type: Any  # pyarrow type of their id column (None when there are none)
+from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.errors import UsageError
 
 
 def check_config(output: str, config: ScoreConfig, log=None) -> dict:
@@ -42,22 +31,3 @@ def check_config(output: str, config: ScoreConfig, log=None) -> dict:
         log(f"[dsv4batch] note: INPUT {config.input!r} differs from the recorded "
             f"{job.get('input')!r}; rows are matched by id")
     return job
-
-
-def finished_parts(output: str) -> Parts:
-    """Part files in OUTPUT with their total row count and id type, from the footers."""
-    import pyarrow.fs as pafs
-
-    from dsv4batch.pipeline.read import read_footers
-
-    fs, root = open_fs(output)
-    if fs.get_file_info(root).type != pafs.FileType.Directory:
-        return Parts([], 0, None)
-    files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(root))
-                   if i.base_name.startswith(PART_PREFIX) and i.base_name.endswith(".parquet"))
-    footers = read_footers(fs, files, "part file {!r} in OUTPUT")
-    for f, (_, schema) in zip(files, footers):
-        if "id" not in schema.names:
-            raise UsageError(f"cannot read part file {f!r} in OUTPUT: it has no 'id' column")
-    return Parts(files, sum(n for n, _ in footers),
-                 footers[0][1].field("id").type if footers else None)

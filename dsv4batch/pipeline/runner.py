@@ -17,26 +17,27 @@ import uuid
 
 from dsv4batch import __version__
 from dsv4batch.pipeline import output as O
-from dsv4batch.pipeline.config import ScoreConfig, UsageError
+from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.errors import RowCountError, UsageError
+from dsv4batch.pipeline.stats import Written
 
 
-_KEEP = ("the rows written so far stay in OUTPUT; fix the cause and run again with --resume "
-         "(raise --max-errored-rows to accept more failed rows)")
+def check_model(model: str) -> None:
+    """The model folder's config and safetensors headers, checked before Ray starts (cheap: no
+    tensor data is read); a folder that cannot load is a `UsageError` naming the problem."""
+    from dsv4batch.model import ModelLoadError
+    from dsv4batch.model.loader import check_checkpoint
 
-
-class RowCountError(RuntimeError):
-    """The written rows do not match the input rows (the row contract is broken)."""
-
-
-class JobFailed(RuntimeError):
-    """The job stopped; the message says why and what is in OUTPUT."""
+    try:
+        check_checkpoint(model)
+    except ModelLoadError as exc:
+        raise UsageError(f"model {model!r}: {exc}") from exc
 
 
 def run(config: ScoreConfig, *, log=None) -> dict:
     """Run a scoring job; returns the metrics document also written to `_metrics.json`."""
-    from dsv4batch.pipeline.modelcheck import check_model
     from dsv4batch.pipeline.read import check_input, inspect_input
-    from dsv4batch.pipeline.resume import Parts, check_config, finished_parts
+    from dsv4batch.pipeline.resume import check_config
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if not config.input or not config.output:
@@ -46,7 +47,7 @@ def run(config: ScoreConfig, *, log=None) -> dict:
     check_model(config.model)
     resuming = O.prepare_output(config.output, config.overwrite, config.resume)
     job = check_config(config.output, config, log) if resuming else {}
-    parts = finished_parts(config.output) if resuming else Parts([], 0, None)
+    parts = O.finished_parts(config.output) if resuming else O.Parts([], 0, None)
     run_id = uuid.uuid4().hex[:8]
     runs = [*job.get("runs", []), {"run_id": run_id, "resumed": resuming, "started": time.time()}]
     O.write_json(config.output, O.JOB, {
@@ -58,7 +59,7 @@ def run(config: ScoreConfig, *, log=None) -> dict:
     if info.num_rows == 0:
         if parts.rows:
             raise UsageError(f"INPUT is empty but OUTPUT holds {parts.rows} rows of another run")
-        O.write_table(config.output, f"part-{run_id}-000000.parquet", _empty_table(config, info))
+        O.write_table(config.output, O.part_name(run_id, 0), _empty_table(config, info))
         return _finish(config, info, _nothing(), 0.0, {**extra, "rows_skipped": 0}, log)
     return _score(config, info, parts, run_id, extra, log)
 
@@ -67,12 +68,14 @@ def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> d
     import ray
 
     from dsv4batch.pipeline.cluster import configure_data_context, connect
+    from dsv4batch.pipeline.faults import explain_failure
+    from dsv4batch.pipeline.fs import open_fs
     from dsv4batch.pipeline.graph import resolve, score
-    from dsv4batch.pipeline.idscan import scan_ids
+    from dsv4batch.pipeline.ids.scan import scan_ids
     from dsv4batch.pipeline.metrics import start_collector
     from dsv4batch.pipeline.progress import Progress
     from dsv4batch.pipeline.read import read
-    from dsv4batch.pipeline.sink import ParquetPartSink, open_fs
+    from dsv4batch.pipeline.sink import ParquetPartSink
 
     connect(config.ray_address)
     configure_data_context()
@@ -103,14 +106,18 @@ def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> d
         with Progress(collector, todo, enabled=config.progress):
             dataset.write_datasink(sink)
     except Exception as exc:
-        raise _failure(collector, exc) from exc
+        try:
+            ledger = ray.get(collector.snapshot.remote(), timeout=30)["ledger"]
+        except Exception:  # noqa: BLE001 - the original error is still raised below
+            ledger = {}
+        raise explain_failure(ledger, exc) from exc
     snapshot = ray.get(collector.snapshot.remote())
     ray.kill(collector)
     if snapshot["ledger"]["stop"]:  # the last batches passed the limit after every begin
-        raise JobFailed(f"stopped: {snapshot['ledger']['stop']}; {_KEEP}")
-    written = sink.result or _nothing()[1]
-    if todo is not None and written["rows"] != todo:
-        raise RowCountError(f"wrote {written['rows']} rows for {todo} rows to score")
+        raise explain_failure(snapshot["ledger"])
+    written = sink.result or Written()
+    if todo is not None and written.rows != todo:
+        raise RowCountError(f"wrote {written.rows} rows for {todo} rows to score")
     return _finish(config, info, (snapshot, written), time.time() - t0,
                    {**extra, "max_errored_rows": limit}, log)
 
@@ -118,10 +125,9 @@ def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> d
 def _finish(config, info, result, wall: float, extra: dict, log) -> dict:
     """Check OUTPUT holds one row per input row, then write `_metrics.json` and `_SUCCESS`."""
     from dsv4batch.pipeline.metrics import format_summary, summarize
-    from dsv4batch.pipeline.resume import finished_parts
 
     snapshot, written = result
-    total = finished_parts(config.output).rows
+    total = O.finished_parts(config.output).rows
     if info.num_rows is not None and total != info.num_rows:
         raise RowCountError(f"OUTPUT's part files hold {total} rows for {info.num_rows} input "
                             "rows; no _SUCCESS written")
@@ -134,33 +140,10 @@ def _finish(config, info, result, wall: float, extra: dict, log) -> dict:
     return metrics
 
 
-def _failure(collector, exc: Exception) -> Exception:
-    """The reason the execution stopped, in words: the error limit, a model that cannot load."""
-    import ray
-
-    try:
-        ledger = ray.get(collector.snapshot.remote(), timeout=30)["ledger"]
-    except Exception:  # noqa: BLE001 - the original error is still raised below
-        ledger = {}
-    if ledger.get("stop"):
-        return JobFailed(f"stopped: {ledger['stop']}; {_KEEP}")
-    text = str(exc)
-    for marker in ("ModelLoadError:", "FileNotFoundError:", "OutOfMemoryError:"):
-        if marker in text:
-            cause = next(line for line in text.splitlines() if marker in line).strip()
-            return JobFailed(f"a scoring actor could not load the model: {cause}")
-    if type(exc).__name__ == "ActorDiedError":
-        return JobFailed(f"a scoring actor's process died more often than --max-actor-restarts "
-                         f"allows (killed while loading the model?): {text.splitlines()[0]}; "
-                         f"{_KEEP}")
-    return exc
-
-
-def _nothing() -> tuple[dict, dict]:
+def _nothing() -> tuple[dict, Written]:
     from dsv4batch.pipeline.metrics import StatsCollector
 
-    return StatsCollector().snapshot(), {"rows": 0, "rows_errored": 0, "input_tokens": 0,
-                                         "scored_tokens": 0, "files": []}
+    return StatsCollector().snapshot(), Written()
 
 
 def _empty_table(config: ScoreConfig, info):

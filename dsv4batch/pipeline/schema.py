@@ -1,6 +1,6 @@
 """Column contract between the pipeline steps.
 
-read -> [derive ids] -> Tokenize -> ScoringActor -> sink. Each step declares a `StageSpec`: the
+read -> [derive ids] -> Tokenize -> ScoringActor -> sink (`stages/`, `ids/`, `sink`). Each step declares a `StageSpec`: the
 columns it needs and the ones it adds; `check_columns` turns a missing column into a message
 that lists what is available. pyarrow is imported lazily (only `output_schema` needs it).
 """
@@ -8,6 +8,8 @@ that lists what is available. pyarrow is imported lazily (only `output_schema` n
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from dsv4batch.pipeline.errors import UsageError
 
 ID = "id"
 ERROR = "error"
@@ -65,8 +67,6 @@ def input_columns(config, available: list[str] | None = None) -> list[str]:
 
 def check_columns(stage: str, needed, available, source: str = "input") -> None:
     """Raise `UsageError` naming the missing columns and listing the available ones."""
-    from dsv4batch.pipeline.config import UsageError
-
     missing = [c for c in needed if c not in available]
     if missing:
         raise UsageError(f"{stage}: column(s) {missing} not in the {source}; available columns: "

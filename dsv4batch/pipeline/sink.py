@@ -1,53 +1,30 @@
-"""Parquet sink: each write task streams its blocks to a hidden temporary file, then renames it.
+"""`ParquetPartSink`: the Ray Data sink that writes OUTPUT's part files.
 
-A part file therefore either exists complete under its final name or not at all; readers skip
-the temporary names (they start with `_` and do not end in `.parquet`). The final name depends
-only on the run id and the write task index, so a retried task replaces its own file instead of
-adding a second copy. Each task returns the counts it wrote; the driver sums them.
+Each write task streams its blocks into one part file through `output.staged` (a temporary
+name, renamed when complete; see `output` for the layout) and returns what it wrote; the
+driver adds them up.
 """
 
 from __future__ import annotations
 
+import itertools
 import uuid
-from typing import Any
 
 from ray.data.datasource import Datasink
 
-from dsv4batch.pipeline import schema as S
-
-TMP_PREFIX = "_tmp-"
-PART_PREFIX = "part-"
-
-
-def open_fs(path: str):
-    """(pyarrow filesystem, path inside it) for a local path or any URI pyarrow understands."""
-    import os
-
-    import pyarrow.fs as pafs
-
-    if "://" in path:
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), os.path.abspath(path)
-
-
-def _counts(table) -> dict[str, int]:
-    import pyarrow.compute as pc
-
-    def total(col: str) -> int:
-        return int(pc.sum(table[col]).as_py() or 0)
-
-    return {"rows": table.num_rows, "rows_errored": table.num_rows - table[S.ERROR].null_count,
-            "input_tokens": total("num_tokens"), "scored_tokens": total("num_scored_tokens")}
+from dsv4batch.pipeline import output as O
+from dsv4batch.pipeline.fs import open_fs
+from dsv4batch.pipeline.stats import Written
 
 
 class ParquetPartSink(Datasink):
-    """Writes `part-<run>-<task>.parquet` files through temporary names; see module doc."""
+    """Writes `part-<run>-<task>.parquet` files; `result` holds the run's `Written` totals."""
 
     def __init__(self, path: str, run_id: str | None = None, compression: str = "zstd",
                  rows_per_file: int | None = None):
         self.path, self.compression, self.rows_per_file = path, compression, rows_per_file
         self.run_id = run_id or uuid.uuid4().hex[:8]
-        self.result: dict[str, Any] | None = None
+        self.result: Written | None = None
 
     def get_name(self) -> str:
         return "WriteScores"
@@ -62,47 +39,26 @@ class ParquetPartSink(Datasink):
         fs, root = open_fs(self.path)
         fs.create_dir(root, recursive=True)
 
-    def write(self, blocks, ctx) -> dict[str, Any]:
+    def write(self, blocks, ctx) -> Written:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        tables = (b if isinstance(b, pa.Table) else pa.Table.from_pandas(b) for b in blocks)
+        tables = (t for t in tables if t.num_rows)
+        head = next(tables, None)
+        if head is None:
+            return Written()
         fs, root = open_fs(self.path)
-        name = f"{PART_PREFIX}{self.run_id}-{ctx.task_idx:06d}.parquet"
-        tmp = f"{root}/{TMP_PREFIX}{uuid.uuid4().hex}.{name}.inprogress"
-        writer, counts = None, {"rows": 0, "rows_errored": 0, "input_tokens": 0,
-                                "scored_tokens": 0}
-        try:
-            for block in blocks:
-                table = block if isinstance(block, pa.Table) else pa.Table.from_pandas(block)
-                if table.num_rows == 0:
-                    continue
-                if writer is None:
-                    writer = pq.ParquetWriter(fs.open_output_stream(tmp), table.schema,
-                                              compression=self.compression)
+        name = O.part_name(self.run_id, ctx.task_idx)
+        counts = Written(files=[name])
+        with O.staged(fs, root, name) as stream, \
+                pq.ParquetWriter(stream, head.schema, compression=self.compression) as writer:
+            for table in itertools.chain([head], tables):
                 writer.write_table(table.cast(writer.schema))
-                for k, v in _counts(table).items():
-                    counts[k] += v
-            if writer is None:
-                return {"file": None, **counts}
-            writer.close()
-            writer = None
-            fs.move(tmp, f"{root}/{name}")
-        except BaseException:
-            if writer is not None:
-                writer.close()
-            _delete_quietly(fs, tmp)
-            raise
-        return {"file": name, **counts}
+                counts += Written.of_table(table)
+        return counts
 
     def on_write_complete(self, write_result) -> None:
-        returns = [r for r in write_result.write_returns if r]
-        totals = {k: sum(r[k] for r in returns) for k in
-                  ("rows", "rows_errored", "input_tokens", "scored_tokens")}
-        self.result = {**totals, "files": sorted(r["file"] for r in returns if r["file"])}
-
-
-def _delete_quietly(fs, path: str) -> None:
-    try:
-        fs.delete_file(path)
-    except Exception:
-        pass
+        total = sum((r for r in write_result.write_returns if r), Written())
+        total.files = sorted(total.files)
+        self.result = total

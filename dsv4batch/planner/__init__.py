@@ -10,10 +10,10 @@ from .dp import dp_prefill_chunks
 from .greedy import fixed_prefill_chunks, plan_prefill_chunks, single_prefill_chunks
 from .lengths import Chunk, chunk_budget, max_compressed_len, request_lengths
 from .order import inverse_permutation, length_order
-from .step import PLANNERS, LayerPlans, plan_step
+from .step import PLANNER_NAMES, PLANNERS, LayerPlans, plan_step
 
 __all__ = [
-    "Chunk", "LayerPlans", "PLANNERS", "chunk_budget", "dp_prefill_chunks", "fixed_prefill_chunks",
-    "inverse_permutation", "length_order", "max_compressed_len", "plan_cost", "plan_prefill_chunks",
-    "plan_step", "request_lengths", "single_prefill_chunks", "workspace_bytes",
+    "Chunk", "LayerPlans", "PLANNER_NAMES", "PLANNERS", "chunk_budget", "dp_prefill_chunks",
+    "fixed_prefill_chunks", "inverse_permutation", "length_order", "max_compressed_len", "plan_cost",
+    "plan_prefill_chunks", "plan_step", "request_lengths", "single_prefill_chunks", "workspace_bytes",
 ]

@@ -10,6 +10,7 @@ LayerPlans = dict[int, list[Chunk]]  # compress ratio -> [(start, end, N, M), ..
 
 PLANNERS = {"adaptive": plan_prefill_chunks, "fixed": fixed_prefill_chunks,
             "dp": dp_prefill_chunks, "single": single_prefill_chunks}
+PLANNER_NAMES = tuple(PLANNERS)  # the one list of planner names (EngineConfig and the CLI check against it)
 
 
 def plan_step(seq_lens, query_lens, *, compress_ratios, window_size, max_model_len,

@@ -7,9 +7,8 @@ import os
 
 import jsonschema
 import pytest
-import yaml
-
 import ray
+import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

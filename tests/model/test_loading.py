@@ -6,7 +6,7 @@ import os
 import numpy as np
 from safetensors.torch import load_file, save_file
 
-from dsv4batch.model import DSv4Model
+from dsv4batch.model import Engine
 from dsv4batch.model.loader import save_checkpoint
 from tests.model_factory import build_hf_model
 
@@ -32,10 +32,10 @@ def test_sharded_and_native_layouts_load_the_same_weights(tmp_path):
     save_file(renamed, os.path.join(native, "model.safetensors"))
     with open(os.path.join(single, "config.json")) as fh:
         json.dump(json.load(fh), open(os.path.join(native, "config.json"), "w"))
-    ref = DSv4Model.from_pretrained(single).score_tokens(IDS)[0]
+    ref = Engine.from_pretrained(single).score_tokens(IDS)[0]
     for path in (sharded, native):
-        np.testing.assert_array_equal(DSv4Model.from_pretrained(path).score_tokens(IDS)[0], ref)
+        np.testing.assert_array_equal(Engine.from_pretrained(path).score_tokens(IDS)[0], ref)
     # and our own export reloads bit-identically
     again = str(tmp_path / "again")
-    save_checkpoint(DSv4Model.from_pretrained(native), again)
-    np.testing.assert_array_equal(DSv4Model.from_pretrained(again).score_tokens(IDS)[0], ref)
+    save_checkpoint(Engine.from_pretrained(native).model, again)
+    np.testing.assert_array_equal(Engine.from_pretrained(again).score_tokens(IDS)[0], ref)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dsv4batch.model import DSv4Model, EngineConfig
+from dsv4batch.model import Engine, EngineConfig
 from tests.model_factory import make_hf_checkpoint
 
 
@@ -19,10 +19,12 @@ def path(tmp_path_factory):
 def test_multistep_equals_one_shot(path, budget):
     rng = np.random.default_rng(budget)
     batch = [rng.integers(0, 512, size=n).tolist() for n in (300, 17, 260, 129)]
-    one = DSv4Model.from_pretrained(path, engine=EngineConfig(max_num_batched_tokens=1024, max_model_len=1024))
-    split = DSv4Model.from_pretrained(path, engine=EngineConfig(max_num_batched_tokens=budget, max_model_len=1024))
-    ref = one.score_tokens(batch)
-    got = split.score_tokens(batch)
-    assert one.last_stats["num_steps"] == 1 and split.last_stats["num_steps"] > 3
+    one = Engine.from_pretrained(path, config=EngineConfig(max_num_batched_tokens=1024, max_model_len=1024))
+    split = Engine(one.model, EngineConfig(max_num_batched_tokens=budget, max_model_len=1024))
+    ref, one_stats = one.score(batch)
+    got, split_stats = split.score(batch)
+    assert one_stats.num_steps == 1 and split_stats.num_steps > 3
+    # the same tokens are fed whatever the step budget: every position but each request's last
+    assert one_stats.num_tokens == split_stats.num_tokens == sum(len(ids) - 1 for ids in batch)
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

@@ -9,9 +9,8 @@ below were not cherry-picked (any failure is a real difference).
 
 import numpy as np
 import pytest
-import torch
 
-from dsv4batch.model import DSv4Model, EngineConfig
+from dsv4batch.model import Engine, EngineConfig
 from tests.model_factory import hf_logprobs, make_hf_checkpoint
 
 CONFIGS = {
@@ -34,7 +33,7 @@ LENGTHS = [5, 37, 130, 301]  # < window, not a multiple of 4, >= 128 (HCA entrie
 def pair(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
     hf = make_hf_checkpoint(path, seed=len(request.param), **CONFIGS[request.param])
-    ours = DSv4Model.from_pretrained(path, engine=EngineConfig(max_num_batched_tokens=512, max_model_len=1024))
+    ours = Engine.from_pretrained(path, config=EngineConfig(max_num_batched_tokens=512, max_model_len=1024))
     return hf, ours
 
 
@@ -55,7 +54,7 @@ def test_matches_transformers(pair):
 
 def test_packing_equals_alone(pair):
     _, ours = pair
-    batch = prompts(ours.config.vocab_size, seed=1)
+    batch = prompts(ours.model.config.vocab_size, seed=1)
     together = ours.score_tokens(batch)
     for ids, lp in zip(batch, together):
         np.testing.assert_allclose(lp, ours.score_tokens([ids])[0], atol=1e-5, rtol=0)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dsv4batch.model import DSv4Model, EngineConfig
+from dsv4batch.model import Engine, EngineConfig
 from tests.model_factory import make_hf_checkpoint
 
 
@@ -18,15 +18,15 @@ def test_plans_give_identical_logprobs(path):
     rng = np.random.default_rng(5)
     # mixed lengths; with a 96-token step budget the long ones span steps (prefixes carried over)
     batch = [rng.integers(0, 512, size=n).tolist() for n in (3, 250, 40, 9, 180, 131, 77, 300, 12, 64)]
+    model = Engine.from_pretrained(path).model  # one model, one engine per configuration
     results, chunks = {}, {}
     for planner in ("adaptive", "fixed", "dp", "single"):
         for sort in (False, True):
-            engine = EngineConfig(max_num_batched_tokens=96, max_model_len=512, prefill_chunk_size=2,
+            config = EngineConfig(max_num_batched_tokens=96, max_model_len=512, prefill_chunk_size=2,
                                   planner=planner, sort_by_length=sort)
-            model = DSv4Model.from_pretrained(path, engine=engine)
-            results[planner, sort] = model.score_tokens(batch)
-            chunks[planner, sort] = model.last_stats["num_chunks"]
-            assert model.last_stats["num_steps"] > 5
+            results[planner, sort], stats = Engine(model, config).score(batch)
+            chunks[planner, sort] = stats.num_chunks
+            assert stats.num_steps > 5
     ref = results["single", False]
     for key, got in results.items():
         for a, b in zip(got, ref):

@@ -5,7 +5,8 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv4batch.model import DSv4Model
+from dsv4batch.model import Engine
+from dsv4batch.model.loader import check_checkpoint
 from tests.model_factory import make_hf_checkpoint
 
 
@@ -51,7 +52,9 @@ def test_fp8_and_fp4_tensors_load_dequantized(tmp_path):
     w1, s1, w1_deq = quantize_fp4(state["model.layers.2.ffn.experts.3.w1.weight"])  # [32, 256]
     state["model.layers.2.ffn.experts.3.w1.weight"], state["model.layers.2.ffn.experts.3.w1.scale"] = w1, s1
     save_file(state, file)
-    model = DSv4Model.from_pretrained(path)
+    check_checkpoint(path)  # a packed FP4 weight's stored shape [32, 128] is not refused
+    engine = Engine.from_pretrained(path)
+    model = engine.model
     assert torch.equal(model.layers[1].attn.wq_a.weight, wq_deq)
     assert torch.equal(model.layers[2].ffn.experts.w1[3], w1_deq)
-    assert torch.isfinite(torch.tensor(model.score_tokens([[0, 5, 9, 200]])[0])).all()
+    assert torch.isfinite(torch.tensor(engine.score_tokens([[0, 5, 9, 200]])[0])).all()

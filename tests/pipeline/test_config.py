@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from dsv4batch.jobs.cli import build_parser, parse_config
-from dsv4batch.pipeline.config import ScoreConfig, UsageError
+from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.errors import UsageError
 
 
 def test_defaults_are_valid_and_every_field_is_documented():

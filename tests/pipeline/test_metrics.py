@@ -1,13 +1,23 @@
 """The `_metrics.json` summary from collector snapshots and sink counts (pure functions)."""
 
 from dsv4batch.pipeline.metrics import StatsCollector, format_summary, summarize
+from dsv4batch.pipeline.stats import BatchStats, Written
 
 
 def batch(t0, rows, tokens, **kw):
-    return {"t_start": t0, "t_end": t0 + 1.0, "busy_s": 1.0, "rows": rows, "rows_scored": rows,
-            "rows_errored": 0, "input_tokens": tokens, "scored_tokens": tokens - rows,
-            "forward_s": 0.8, "planner_s": 0.1, "num_steps": 2, "num_chunks": 3,
-            "peak_workspace_bytes": kw.get("peak", 100), "model_calls": 1}
+    return BatchStats(t_first=t0, t_last=t0 + 1.0, busy_s=1.0, batches=1, rows=rows,
+                      rows_scored=rows, rows_errored=0, input_tokens=tokens,
+                      scored_tokens=tokens - rows, forward_s=0.8, planner_s=0.1, num_steps=2,
+                      num_chunks=3, peak_workspace_bytes=kw.get("peak", 100), model_calls=1)
+
+
+def test_batch_stats_sum_counts_and_keep_peaks_and_times():
+    total = batch(11.0, 4, 100, peak=500) + batch(10.0, 2, 50) + BatchStats()
+    assert (total.batches, total.rows, total.input_tokens, total.num_steps) == (2, 6, 150, 4)
+    assert total.peak_workspace_bytes == 500 and total.forward_s == 1.6
+    assert (total.t_first, total.t_last) == (10.0, 12.0)  # None (no batch yet) is not a time
+    written = sum([Written(rows=2, files=["b"]), Written(rows=1, files=["a"])], Written())
+    assert written == Written(rows=3, files=["b", "a"])
 
 
 def test_summary_overall_and_per_actor():
@@ -23,8 +33,8 @@ def test_summary_overall_and_per_actor():
     c.record_batch("a", batch(11.0, 4, 100, peak=500))
     c.record_batch("b", batch(10.5, 2, 50))
     c.record_tokenize(10, 0.5)
-    written = {"rows": 10, "rows_errored": 1, "input_tokens": 250, "scored_tokens": 240,
-               "files": ["part-x-000000.parquet"]}
+    written = Written(rows=10, rows_errored=1, input_tokens=250, scored_tokens=240,
+                      files=["part-x-000000.parquet"])
     m = summarize(c.snapshot(), written, wall_s=5.0, extra={"run_id": "x"})
     assert (m["rows"], m["rows_scored"], m["rows_errored"]) == (10, 9, 1)
     assert m["tokens_per_s"] == 50.0 and m["rows_per_s"] == 2.0 and m["active_s"] == 2.0
@@ -42,7 +52,6 @@ def test_summary_overall_and_per_actor():
 
 
 def test_summary_of_an_empty_run():
-    m = summarize(StatsCollector().snapshot(), {"rows": 0, "rows_errored": 0, "input_tokens": 0,
-                                                "scored_tokens": 0}, wall_s=1.0)
+    m = summarize(StatsCollector().snapshot(), Written(), wall_s=1.0)
     assert m["rows"] == 0 and m["tokens_per_s"] == 0.0 and m["actors"] == []
-    format_summary(m)
+    assert format_summary(m).startswith("rows 0 (scored 0, errors 0")

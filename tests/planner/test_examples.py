@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from dsv4batch.planner import (fixed_prefill_chunks, plan_cost, plan_prefill_chunks, plan_step,
-                               workspace_bytes)
+from dsv4batch.planner import (PLANNER_NAMES, PLANNERS, fixed_prefill_chunks, plan_cost, plan_prefill_chunks,
+                               plan_step, workspace_bytes)
 
 SEED = dict(seq_lens=[80, 96, 112, 128, 144], query_lens=[4] * 5)
 SEED_KW = dict(window_size=64, max_model_len=1024, max_num_batched_tokens=128, prefill_chunk_size=4)
@@ -61,6 +61,14 @@ def test_empty_and_validation():
         plan_prefill_chunks([10], [1], compress_ratio=-1, **SEED_KW)
     with pytest.raises(ValueError, match="planner"):
         plan_step([10], [1], compress_ratios=[4], planner="nope", **SEED_KW)
+
+
+def test_planner_names_are_the_planners():
+    assert PLANNER_NAMES == ("adaptive", "fixed", "dp", "single") == tuple(PLANNERS)
+    seq = [300, 40]
+    for name in PLANNER_NAMES:
+        plans = plan_step(seq, seq, compress_ratios=[4], planner=name, **SEED_KW)
+        assert plans[4][0][0] == 0 and plans[4][-1][1] == 2  # every planner covers both requests
 
 
 def test_import_does_not_pull_torch():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dsv4batch.pipeline.stats import BatchStats
+
 # forward-step latency buckets, seconds: 1 ms .. 60 s
 STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 
@@ -33,18 +35,18 @@ class ActorTelemetry:
         except Exception:  # metrics are best effort: never fail a batch for them
             self.enabled = False
 
-    def record(self, stats: dict) -> None:
+    def record(self, stats: BatchStats) -> None:
         if not self.enabled:
             return
         try:
-            _inc(self.rows, stats["rows_scored"], {"status": "scored"})
-            _inc(self.rows, stats["rows_errored"], {"status": "error"})
-            _inc(self.tokens, stats["input_tokens"], {"kind": "input"})
-            _inc(self.tokens, stats["scored_tokens"], {"kind": "scored"})
-            if stats["num_steps"]:
-                _inc(self.steps, stats["num_steps"])
-                per_step = stats["forward_s"] / stats["num_steps"]
-                for _ in range(min(stats["num_steps"], 64)):
+            _inc(self.rows, stats.rows_scored, {"status": "scored"})
+            _inc(self.rows, stats.rows_errored, {"status": "error"})
+            _inc(self.tokens, stats.input_tokens, {"kind": "input"})
+            _inc(self.tokens, stats.scored_tokens, {"kind": "scored"})
+            if stats.num_steps:
+                _inc(self.steps, stats.num_steps)
+                per_step = stats.forward_s / stats.num_steps
+                for _ in range(min(stats.num_steps, 64)):
                     self.step_latency.observe(per_step)
         except Exception:
             pass

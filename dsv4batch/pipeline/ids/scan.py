@@ -18,8 +18,11 @@ from __future__ import annotations
 import math
 
 from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig, UsageError
-from dsv4batch.pipeline.rowset import KEY_SHIFT, Pending, RowBitmap
+from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.pipeline.ids.derive import derived_ids, relative
+from dsv4batch.pipeline.ids.hashing import mix64
+from dsv4batch.pipeline.ids.rowset import KEY_SHIFT, Pending, RowBitmap
 
 IN, DONE, KEY, PART = "__in", "__done", "__key", "__part"
 ROWS_PER_PARTITION = 250_000  # ids per partition: what one reduce task and the driver hold at once
@@ -36,8 +39,6 @@ def partition_of(ids, parts: int):
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
-
-    from dsv4batch.pipeline.ids import _mix
 
     n = len(ids)
     if parts == 1 or n == 0:
@@ -56,14 +57,14 @@ def partition_of(ids, parts: int):
         np.add.at(sums, np.repeat(np.arange(n), lengths.astype(np.int64)), contrib)
         v = sums ^ (lengths << np.uint64(40))
     with np.errstate(over="ignore"):
-        return (_mix(v) % np.uint64(parts)).astype(np.int64)
+        return (mix64(v) % np.uint64(parts)).astype(np.int64)
 
 
 def read_keys(batch, filesystem, id_column: str | None, root: str, parts: int, id_type=None):
     """Files -> blocks of (id, in, done, key, partition), streamed one chunk at a time.
 
     INPUT files (`id_type` None): in=1, done=0, key = file index << 40 | row position; with
-    `id_column` None the ids are derived like `ids.DeriveIds` ('<file>:<row>'). OUTPUT part
+    `id_column` None the ids are derived like `derive.DeriveIds` ('<file>:<row>'). OUTPUT part
     files (`id_type` given: INPUT's id type): in=0, done=1, key=-1. Reading the id column with
     pyarrow in plain tasks gives row positions directly and starts much faster than
     `ray.data.read_parquet` for a scan of one column.
@@ -72,8 +73,6 @@ def read_keys(batch, filesystem, id_column: str | None, root: str, parts: int, i
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dsv4batch.pipeline.ids import DeriveIds
-
     side = 0 if id_type is not None else 1
     for path, index in zip(batch["path"].to_pylist(), batch["index"].to_pylist()):
         with filesystem.open_input_file(path) as fh:
@@ -81,8 +80,8 @@ def read_keys(batch, filesystem, id_column: str | None, root: str, parts: int, i
             if id_column is None:  # derived ids: only the row count is needed
                 total = pf.metadata.num_rows
                 chunks = (range(o, min(o + CHUNK_ROWS, total)) for o in range(0, total, CHUNK_ROWS))
-                rel = DeriveIds(root).relative(path)
-                chunks = (pa.array([f"{rel}:{r}" for r in c], pa.string()) for c in chunks)
+                rel = relative(root, path)
+                chunks = (pa.array(derived_ids(rel, c), pa.string()) for c in chunks)
             else:
                 chunks = (b.column(0) for b in pf.iter_batches(CHUNK_ROWS, columns=[id_column]))
             for ids in chunks:

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dsv4batch.jobs.score import main
-from tests.reliability.conftest import FAST, finished, part_rows, parts
+from tests.jobs.conftest import SMALL_PARTS, finished, part_rows, parts
 
 RAY_DASHBOARD = True  # ray.util.state finds the actor to kill through the dashboard
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,7 +71,7 @@ def test_killed_scoring_actor_is_restarted_and_the_job_completes(tmp_path, check
 
     killer = threading.Thread(target=kill_one_scoring_actor, daemon=True)
     killer.start()
-    assert main([str(src), str(out), "--model", checkpoint, *FAST]) == 0
+    assert main([str(src), str(out), "--model", checkpoint, *SMALL_PARTS]) == 0
     killer.join(timeout=10)
     assert "error" not in killed and "pid" in killed, killed
     rows, metrics = finished(out, ids)
@@ -85,7 +85,7 @@ def test_killed_scoring_actor_is_restarted_and_the_job_completes(tmp_path, check
 def test_killed_driver_then_resume_scores_only_the_missing_rows(tmp_path, checkpoint, local_ray):
     src, out = tmp_path / "in.parquet", tmp_path / "out"
     ids = write_input(src, 64, with_ids=False)  # ids derived from file and row: both runs agree
-    args = [str(src), str(out), "--model", checkpoint, *FAST]
+    args = [str(src), str(out), "--model", checkpoint, *SMALL_PARTS]
     with open(tmp_path / "driver.log", "w") as log:
         driver = subprocess.Popen([sys.executable, "-m", "dsv4batch.jobs.score", *args,
                                    "--ray-address", local_ray], stdout=log, stderr=log, cwd=REPO)
@@ -115,8 +115,8 @@ def test_resume_read_streams_only_the_rows_left(tmp_path, local_ray, with_ids):
     """The read a resumed run scores: written rows dropped in the read tasks (by position), a
     file with every row written not read at all, the same columns as a fresh read."""
     from dsv4batch.pipeline.config import ScoreConfig
+    from dsv4batch.pipeline.ids.rowset import KEY_SHIFT, RowBitmap
     from dsv4batch.pipeline.read import inspect_input, read
-    from dsv4batch.pipeline.rowset import KEY_SHIFT, RowBitmap
 
     d = tmp_path / "in"
     d.mkdir()
@@ -171,7 +171,7 @@ def test_failing_batches_are_retried_isolated_then_stop_the_job(tmp_path, checkp
     src, out = tmp_path / "in.parquet", tmp_path / "out"
     write_input(src, 24)
     run = run_broken(local_ray, [src, out, "--model", checkpoint, "--max-batch-attempts", "2",
-                                 "--max-errored-rows", "5", *FAST])
+                                 "--max-errored-rows", "5", *SMALL_PARTS])
     assert run.returncode == 1, run.stderr[-3000:]
     isolated = "scoring failed 2 time(s): RuntimeError: flashmla backend requested but unavailable"
     stop = next(line for line in run.stderr.splitlines() if "dsv4batch: failed: " in line)

@@ -16,14 +16,7 @@ from dsv4batch.pipeline.graph import score
 from dsv4batch.pipeline.read import inspect_input, read
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_local():
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # one local Ray for this module
 
 
 def test_read_blocks_follow_max_block_mib(tmp_path):

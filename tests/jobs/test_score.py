@@ -11,34 +11,19 @@ from dsv4batch.jobs.score import main
 from tests.jobs.conftest import FAST, TEXTS, read_output
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    import ray
-
-    if ray.is_initialized():  # one Ray per module: never inherit another module's
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # one local Ray for this module
 
 
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    from dsv4batch.model import DSv4Model
-
-    return DSv4Model.from_pretrained(checkpoint)
-
-
-def reference(model, prompt, target=None):
-    """Per-token logprobs of the scored tokens straight from DSv4Model.score_tokens."""
-    enc = model.tokenizer.encode
+def reference(engine, prompt, target=None):
+    """Per-token logprobs of the scored tokens straight from Engine.score_tokens."""
+    enc = engine.tokenizer.encode
     p = enc(prompt, add_special_tokens=False).ids
     t = enc(target, add_special_tokens=False).ids if target is not None else None
-    lp = model.score_tokens([[model.config.bos_token_id, *p, *(t or [])]])[0]
+    lp = engine.score_tokens([[engine.model.config.bos_token_id, *p, *(t or [])]])[0]
     return lp[-len(t):] if t is not None else lp
 
 
-def test_cli_scores_match_the_model(tmp_path, checkpoint, model):
+def test_cli_scores_match_the_model(tmp_path, checkpoint, engine):
     src = tmp_path / "in.parquet"
     table = pa.table({"id": np.arange(100, 100 + len(TEXTS)), "prompt": TEXTS,
                       "source": [f"s{i}" for i in range(len(TEXTS))], "unused": list(range(len(TEXTS)))})
@@ -60,7 +45,7 @@ def test_cli_scores_match_the_model(tmp_path, checkpoint, model):
         if text is None:
             assert r["error"] == "null text" and r["logprob_sum"] is None
             continue
-        ref = reference(model, text)
+        ref = reference(engine, text)
         assert r["error"] is None and r["num_scored_tokens"] == len(ref) == r["num_tokens"] - 1
         assert abs(r["logprob_sum"] - float(ref.sum(dtype=np.float64))) <= 1e-4 * max(1, len(ref))
         np.testing.assert_allclose(r["token_logprobs"], ref, atol=1e-4)
@@ -76,7 +61,7 @@ def test_cli_scores_match_the_model(tmp_path, checkpoint, model):
     assert metrics["time_s"]["tokenize"] > 0
 
 
-def test_cli_target_column_and_derived_ids(tmp_path, checkpoint, model):
+def test_cli_target_column_and_derived_ids(tmp_path, checkpoint, engine):
     src = tmp_path / "in"
     (src / "b").mkdir(parents=True)
     prompts = ["The capital of France is", "Two plus two equals", "", "Water boils at"]
@@ -91,14 +76,13 @@ def test_cli_target_column_and_derived_ids(tmp_path, checkpoint, model):
     assert sorted(rows) == ["a.parquet:0", "a.parquet:1", "b/c.parquet:0", "b/c.parquet:1"]
     assert rows["b/c.parquet:1"]["error"].startswith("too long:")
     for key, p, t in zip(["a.parquet:0", "a.parquet:1", "b/c.parquet:0"], prompts, targets):
-        ref = reference(model, p, t)
+        ref = reference(engine, p, t)
         assert rows[key]["num_scored_tokens"] == len(ref)  # only the target's tokens
         assert abs(rows[key]["logprob_sum"] - float(ref.sum(dtype=np.float64))) <= 1e-4 * len(ref)
 
 
-def test_python_api_composes_with_ray_data(checkpoint, model):
+def test_python_api_composes_with_ray_data(checkpoint, engine):
     import ray
-
     from ray.data.expressions import col
 
     import dsv4batch.pipeline as pipeline
@@ -111,7 +95,7 @@ def test_python_api_composes_with_ray_data(checkpoint, model):
     expected = {f"r{i}": t for i, t in enumerate(TEXTS) if t}
     assert sorted(rows) == sorted(expected)
     for key, text in expected.items():
-        assert abs(rows[key]["logprob_sum"] - float(reference(model, text).sum())) < 1e-3
+        assert abs(rows[key]["logprob_sum"] - float(reference(engine, text).sum())) < 1e-3
 
 
 def test_usage_errors_exit_2_before_scoring(tmp_path, capsys):
@@ -136,14 +120,15 @@ def test_usage_errors_exit_2_before_scoring(tmp_path, capsys):
 def test_collector_progress_and_actor_metrics(capsys):
     import ray
 
-    from dsv4batch.actors.telemetry import ActorTelemetry
     from dsv4batch.pipeline.metrics import start_collector
     from dsv4batch.pipeline.progress import Progress
+    from dsv4batch.pipeline.stages.telemetry import ActorTelemetry
+    from dsv4batch.pipeline.stats import BatchStats
 
-    stats = {"t_start": 1.0, "t_end": 2.0, "busy_s": 1.0, "rows": 4, "rows_scored": 3,
-             "rows_errored": 1, "input_tokens": 40, "scored_tokens": 36, "forward_s": 0.9,
-             "planner_s": 0.01, "num_steps": 2, "num_chunks": 4, "peak_workspace_bytes": 10,
-             "model_calls": 1}
+    stats = BatchStats(t_first=1.0, t_last=2.0, busy_s=1.0, batches=1, rows=4, rows_scored=3,
+                       rows_errored=1, input_tokens=40, scored_tokens=36, forward_s=0.9,
+                       planner_s=0.01, num_steps=2, num_chunks=4, peak_workspace_bytes=10,
+                       model_calls=1)
     telemetry = ActorTelemetry("test")
     assert telemetry.enabled
     telemetry.record(stats)  # counters + step-latency histogram through ray.util.metrics

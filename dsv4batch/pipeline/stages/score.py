@@ -18,21 +18,20 @@ import os
 import time
 from typing import Any
 
-from dsv4batch.actors.errors import BatchError
-from dsv4batch.actors.guard import BatchGuard
-from dsv4batch.actors.loader import load_model
-from dsv4batch.actors.results import build_output, error_text, read_requests
-from dsv4batch.actors.telemetry import ActorTelemetry
+from dsv4batch.model.stats import StepStats
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import ScoreConfig
-
-_SUM_STATS = ("num_steps", "num_chunks", "forward_s", "planner_s")
+from dsv4batch.pipeline.errors import BatchError, row_error
+from dsv4batch.pipeline.faults import BatchGuard
+from dsv4batch.pipeline.stages.replica import load_engine
+from dsv4batch.pipeline.stages.telemetry import ActorTelemetry
+from dsv4batch.pipeline.stats import BatchStats
 
 
 class ScoringActor:
-    # how the model is loaded (a subclass may load another: bench/stream.py measures the
+    # how the engine is loaded (a subclass may load another: bench/stream.py measures the
     # pipeline without a forward)
-    load = staticmethod(load_model)
+    load = staticmethod(load_engine)
 
     @staticmethod
     def spec(config: ScoreConfig) -> S.StageSpec:
@@ -45,7 +44,12 @@ class ScoringActor:
     def __init__(self, config: ScoreConfig, stats: Any = None, num_gpus: float = 0.0):
         t0 = time.perf_counter()
         self.config, self.stats = config, stats
-        self.model, self.device, self.dtype = self.load(config, num_gpus)
+        self.guard = BatchGuard(stats, config.max_batch_attempts)
+        try:
+            self.engine, self.device, self.dtype = self.load(config, num_gpus)
+        except Exception as exc:  # recorded by type here: the driver explains the stop with it
+            self.guard.load_failed(exc)
+            raise
         self.telemetry = ActorTelemetry(config.model)
         self.actor_id, self.node_id = f"local-{os.getpid()}", None
         try:
@@ -57,7 +61,6 @@ class ScoringActor:
                 self.node_id = ctx.get_node_id()
         except Exception:
             pass
-        self.guard = BatchGuard(stats, config.max_batch_attempts)
         self.info = {"actor_id": self.actor_id, "node_id": self.node_id, "pid": os.getpid(),
                      "device": self.device, "dtype": self.dtype,
                      "load_s": time.perf_counter() - t0}
@@ -73,7 +76,7 @@ class ScoringActor:
         logprobs: list = [None] * batch.num_rows
         row_ids = batch[S.ID].to_pylist()
         key, isolate = self.guard.begin(row_ids)
-        model_stats = {k: 0 for k in _SUM_STATS} | {"peak_workspace_bytes": 0, "model_calls": 0}
+        model_stats = StepStats()
         if isolate:  # this batch used up its attempts: answer its rows, do not score it again
             errors = [e if e is not None else isolate for e in errors]
         else:
@@ -87,16 +90,17 @@ class ScoringActor:
             try:
                 model_stats = self._score(ids, scored, todo, logprobs, errors)
             except Exception as exc:
-                self.guard.failed(key, error_text(exc))
-                raise BatchError(f"batch from id {row_ids[0]!r}: {error_text(exc)}") from exc
+                self.guard.failed(key, row_error(exc))
+                raise BatchError(f"batch from id {row_ids[0]!r}: {row_error(exc)}") from exc
         out = build_output(batch, lengths, scored, logprobs, errors, self.config)
         ok = [i for i in range(batch.num_rows) if errors[i] is None]
         failed = [i for i in range(batch.num_rows) if errors[i] is not None and not incoming[i]]
-        stats = {"t_start": t_start, "t_end": time.time(), "busy_s": time.perf_counter() - p0,
-                 "rows": batch.num_rows, "rows_scored": len(ok),
-                 "rows_errored": batch.num_rows - len(ok), "rows_failed": len(failed),
-                 "input_tokens": int(sum(lengths[i] for i in ok)),
-                 "scored_tokens": int(sum(int(scored[i]) for i in ok)), **model_stats}
+        stats = BatchStats(**model_stats.to_dict(), batches=1, rows=batch.num_rows,
+                           rows_scored=len(ok), rows_errored=batch.num_rows - len(ok),
+                           rows_failed=len(failed),
+                           input_tokens=int(sum(lengths[i] for i in ok)),
+                           scored_tokens=int(sum(int(scored[i]) for i in ok)),
+                           busy_s=time.perf_counter() - p0, t_first=t_start, t_last=time.time())
         self.telemetry.record(stats)
         if self.stats is not None:
             self.stats.record_batch.remote(self.actor_id, stats)
@@ -104,36 +108,85 @@ class ScoringActor:
                        errors[failed[0]] if failed else None, bool(isolate))
         return out
 
-    def _score(self, ids, scored, todo, logprobs, errors) -> dict:
+    def _score(self, ids, scored, todo, logprobs, errors) -> StepStats:
         """Score rows `todo` in one engine call; if it fails, row by row to isolate the cause."""
-        agg = {k: 0 for k in _SUM_STATS} | {"peak_workspace_bytes": 0, "model_calls": 0}
         if not todo:
-            return agg
+            return StepStats()
         try:
-            outs = self._call([ids[i] for i in todo], agg)
+            outs, stats = self._call([ids[i] for i in todo])
         except Exception:
-            failures = []
+            failures, stats = [], StepStats()
             for i in todo:
                 try:
-                    logprobs[i] = self._call([ids[i]], agg)[0][-int(scored[i]):]
+                    out, one = self._call([ids[i]])
+                    logprobs[i], stats = out[0][-int(scored[i]):], stats + one
                 except Exception as exc:  # noqa: PERF203 - isolate the failing rows
-                    errors[i] = error_text(exc)
+                    errors[i] = row_error(exc)
                     failures.append(exc)
             if len(failures) == len(todo) and not isinstance(failures[0], ValueError):
                 raise failures[0]  # the engine itself is broken: let Ray retry/restart
-            return agg
+            return stats
         for i, lp in zip(todo, outs):
             logprobs[i] = lp[-int(scored[i]):]
-        return agg
+        return stats
 
-    def _call(self, requests, agg: dict) -> list:
-        outs = self.model.score_tokens([r.tolist() for r in requests])
-        st = getattr(self.model, "last_stats", None) or {}
-        for k in _SUM_STATS:
-            agg[k] += st.get(k, 0) or 0
-        agg["peak_workspace_bytes"] = max(agg["peak_workspace_bytes"],
-                                          int(st.get("peak_workspace_bytes", 0) or 0))
-        agg["model_calls"] += 1
+    def _call(self, requests) -> tuple[list, StepStats]:
+        outs, stats = self.engine.score([r.tolist() for r in requests])
         if len(outs) != len(requests):
             raise RuntimeError(f"model returned {len(outs)} results for {len(requests)} requests")
-        return outs
+        return outs, stats
+
+
+# -- the output columns ----------------------------------------------------------------------
+
+def read_requests(batch):
+    """(token id lists, scored-token counts, incoming errors) from a tokenized Arrow batch."""
+    import numpy as np
+
+    col = batch[S.INPUT_IDS].combine_chunks()
+    offsets = col.offsets.to_numpy()
+    values = col.values.to_numpy(zero_copy_only=False)
+    ids = [values[offsets[i]:offsets[i + 1]] for i in range(len(col))]
+    scored = batch[S.NUM_SCORED].to_numpy(zero_copy_only=False).astype(np.int64)
+    return ids, scored, batch[S.ERROR].to_pylist()
+
+
+def build_output(batch, lengths, scored, logprobs, errors, config):
+    """Output table in `schema.output_schema` order for `config` (a `ScoreConfig`).
+
+    lengths[i]: tokens fed for row i (0 when errored); logprobs[i]: the row's scored log-probs
+    (a float32 array of length scored[i]) or None when the row has an error.
+    """
+    import numpy as np
+    import pyarrow as pa
+
+    n = batch.num_rows
+    sums = np.full(n, np.nan)
+    valid = np.zeros(n, bool)
+    for i, lp in enumerate(logprobs):
+        if lp is not None and errors[i] is None:
+            sums[i] = float(np.sum(lp, dtype=np.float64))
+            valid[i] = True
+    num_scored = np.where(valid, scored, 0).astype(np.int32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = sums / num_scored
+    has_mean = valid & (num_scored > 0)
+    ppl = np.exp(-means, where=has_mean, out=np.full(n, np.nan))
+    cols = {
+        S.ID: batch[S.ID],
+        "num_tokens": pa.array(np.where(valid, lengths, 0).astype(np.int32)),
+        "num_scored_tokens": pa.array(num_scored),
+        "logprob_sum": pa.array(sums, mask=~valid),
+        "logprob_mean": pa.array(means, mask=~has_mean),
+        "perplexity": pa.array(ppl, mask=~has_mean),
+    }
+    if config.token_logprobs:
+        cols[S.TOKEN_LOGPROBS] = pa.array(
+            [lp.astype(np.float32) if v else None for lp, v in zip(logprobs, valid)],
+            pa.list_(pa.float32()))
+    if config.truncate != "none":  # tokens dropped to fit max_model_len (0: the row fit)
+        cols[S.TRUNCATED] = batch[S.NUM_TRUNCATED]
+    cols[S.ERROR] = pa.array(errors, pa.string())
+    for c in config.keep_columns:
+        cols[c] = batch[c]
+    return pa.table(cols)

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dsv4batch.jobs.score import main
-from tests.reliability.conftest import FAST, finished, nothing_scored
+from tests.jobs.conftest import SMALL_PARTS, finished, nothing_scored
 
 CONTROL = "bell\x07 nul\x00 esc\x1b[31mred\x1b[0m rtl\u202eevil bom\ufeff\r\n\ttab"
 LONG = "one two three four five six seven eight nine ten eleven twelve thirteen " * 3
@@ -166,12 +166,12 @@ def test_g_duplicate_ids_are_refused_before_scoring(tmp_path, capsys, local_ray)
     write(d / "a.parquet", id=["r1", "r2", "r3"], prompt=["a", "b", "c"])
     write(d / "b.parquet", id=["r4", "r2", "r5"], prompt=["d", "e", "f"])
     out = tmp_path / "out"
-    code, err = score(capsys, d, out, *FAST)
+    code, err = score(capsys, d, out, *SMALL_PARTS)
     assert code == 2
     assert "INPUT has 1 id(s) on more than one row in column 'id', e.g. 'r2' (2 rows)" in err
     nothing_scored(out)
     write(d / "b.parquet", id=pa.array(["r4", None, None]), prompt=["d", "e", "f"])
-    code, err = score(capsys, d, out, "--overwrite", *FAST)
+    code, err = score(capsys, d, out, "--overwrite", *SMALL_PARTS)
     assert code == 2 and "INPUT has 2 row(s) with a null id in column 'id'" in err
     nothing_scored(out)
 
@@ -188,7 +188,7 @@ def mixed(tmp_path_factory, checkpoint, local_ray):
     # a string column holding invalid UTF-8, as writers that do not validate produce it
     src = write(tmp / "in.parquet", id=np.arange(6), prompt=texts.view(pa.string()))
     out = tmp / "out"
-    assert main([str(src), str(out), "--model", checkpoint, "--max-model-len", "32", *FAST]) == 0
+    assert main([str(src), str(out), "--model", checkpoint, "--max-model-len", "32", *SMALL_PARTS]) == 0
     return finished(out, list(range(6)))
 
 
@@ -231,7 +231,7 @@ def test_i_nan_weights_stop_the_job_at_the_first_actor(tmp_path, capsys, checkpo
     model = copy_checkpoint(checkpoint, tmp_path / "nan", poison)
     src = write(tmp_path / "in.parquet", id=list(range(8)), prompt=["hello world"] * 8)
     out = tmp_path / "out"
-    code, err = score(capsys, src, out, "--model", model, *FAST)
+    code, err = score(capsys, src, out, "--model", model, *SMALL_PARTS)
     assert code == 1, err
     assert "a scoring actor could not load the model: " in err
     assert "tensor 'model.layers.0.attn.wo_b.weight' in model.safetensors has NaN or Inf" in err
@@ -240,18 +240,11 @@ def test_i_nan_weights_stop_the_job_at_the_first_actor(tmp_path, capsys, checkpo
 
 # -- --truncate: the scoring actor in-process on the scores the model gives the kept tokens -----
 
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    from dsv4batch.model import DSv4Model
-
-    return DSv4Model.from_pretrained(checkpoint)
-
-
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_f_truncate_scores_the_kept_end(checkpoint, model, side):
-    from dsv4batch.actors.scoring import ScoringActor
+def test_f_truncate_scores_the_kept_end(checkpoint, engine, side):
     from dsv4batch.pipeline.config import ScoreConfig
-    from dsv4batch.pipeline.tokenize import Tokenize
+    from dsv4batch.pipeline.stages.score import ScoringActor
+    from dsv4batch.pipeline.stages.tokenize import Tokenize
 
     cfg = ScoreConfig(model=checkpoint, max_model_len=16, truncate=side)
     out = ScoringActor(cfg)(Tokenize(cfg)(pa.table({"id": [1, 2, 3],
@@ -259,9 +252,9 @@ def test_f_truncate_scores_the_kept_end(checkpoint, model, side):
     rows = out.to_pylist()
     assert [r["id"] for r in rows] == [1, 2, 3]
     assert sum(r["error"] is None for r in rows) + sum(r["error"] is not None for r in rows) == 3
-    tokens = model.tokenizer.encode(LONG, add_special_tokens=False).ids
+    tokens = engine.tokenizer.encode(LONG, add_special_tokens=False).ids
     kept = tokens[-15:] if side == "left" else tokens[:15]
-    ref = model.score_tokens([[0, *kept]])[0]
+    ref = engine.score_tokens([[0, *kept]])[0]
     r = rows[0]
     assert r["error"] is None and r["num_tokens"] == 16 and r["num_scored_tokens"] == 15
     assert r["truncated_tokens"] == len(tokens) - 15

@@ -1,10 +1,10 @@
 """Which input rows a resumed run still has to score: one bit per row of each input file.
 
-The id scan (`idscan`) streams to the driver the positions of the input rows whose id OUTPUT
+The id scan (`scan`) streams to the driver the positions of the input rows whose id OUTPUT
 already holds, and the driver sets their bits in a packed bitmap per file: 1 bit per input row
 (12.5 MB per 100M rows), never a set of ids. Files whose rows are all written are not read
 again; in the others `keep_pending` drops the written rows inside the read tasks, where Ray
-Data's `row_hash` gives each row's position in its file (`ids.row_index`).
+Data's `row_hash` gives each row's position in its file (`hashing.row_index`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from dsv4batch.pipeline.ids.hashing import row_index
 
 KEY_SHIFT = 40  # row key = file index << KEY_SHIFT | row position in the file
 ROW_MASK = (1 << KEY_SHIFT) - 1
@@ -63,8 +65,6 @@ def keep_pending(batch, done: dict[str, np.ndarray]):
     """Drop the rows whose bit is set (already written); needs Ray Data's `path`, `row_hash`."""
     import pyarrow as pa
     import pyarrow.compute as pc
-
-    from dsv4batch.pipeline.ids import row_index
 
     paths, hashes = batch["path"], batch["row_hash"].to_numpy()
     keep = np.ones(batch.num_rows, bool)

@@ -7,13 +7,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dsv4batch.actors.errors import BatchError, TooManyErrors
-from dsv4batch.actors.guard import batch_key
-from dsv4batch.actors.scoring import ScoringActor
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.errors import BatchError, TooManyErrors
+from dsv4batch.pipeline.faults import batch_key
 from dsv4batch.pipeline.metrics import StatsCollector
-from dsv4batch.pipeline.tokenize import Tokenize
+from dsv4batch.pipeline.stages.score import ScoringActor
+from dsv4batch.pipeline.stages.tokenize import Tokenize
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "", None, "Ray Data streams blocks.",
          "A slightly longer sentence, so that two requests differ in length by a few tokens."]
@@ -37,18 +37,11 @@ class LocalCollector:
         return Method
 
 
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    from dsv4batch.model import DSv4Model
-
-    return DSv4Model.from_pretrained(checkpoint)
-
-
 def run(cfg, table, stats=None):
     return ScoringActor(cfg, stats=stats)(Tokenize(cfg)(table))
 
 
-def test_scores_match_model_and_keep_row_order(checkpoint, model):
+def test_scores_match_model_and_keep_row_order(checkpoint, engine):
     cfg = ScoreConfig(model=checkpoint, token_logprobs=True, keep_columns=("n",))
     table = pa.table({"id": [10, 11, 12, 13, 14], "prompt": TEXTS, "n": [1, 2, 3, 4, 5]})
     stats = LocalCollector()
@@ -60,8 +53,8 @@ def test_scores_match_model_and_keep_row_order(checkpoint, model):
         if text is None:
             assert r["error"] == "null text" and r["logprob_sum"] is None and r["num_tokens"] == 0
             continue
-        ids = [0, *model.tokenizer.encode(text, add_special_tokens=False).ids]
-        ref = model.score_tokens([ids])[0]
+        ids = [0, *engine.tokenizer.encode(text, add_special_tokens=False).ids]
+        ref = engine.score_tokens([ids])[0]
         assert r["error"] is None and r["num_tokens"] == len(ids)
         assert r["num_scored_tokens"] == len(ids) - 1
         assert abs(r["logprob_sum"] - float(ref.sum())) <= 1e-4 * max(1, len(ref))
@@ -74,20 +67,20 @@ def test_scores_match_model_and_keep_row_order(checkpoint, model):
     kinds = [c[0] for c in stats.calls]
     assert kinds == ["register_actor", "begin_batch", "record_batch", "end_batch"]
     batch_stats = stats.calls[2][1][1]
-    assert batch_stats["rows"] == 5 and batch_stats["rows_scored"] == 4 and batch_stats["rows_errored"] == 1
-    assert batch_stats["scored_tokens"] == sum(r["num_scored_tokens"] for r in rows)
-    assert batch_stats["num_steps"] >= 1 and batch_stats["forward_s"] > 0
+    assert (batch_stats.rows, batch_stats.rows_scored, batch_stats.rows_errored) == (5, 4, 1)
+    assert batch_stats.scored_tokens == sum(r["num_scored_tokens"] for r in rows)
+    assert batch_stats.num_steps >= 1 and batch_stats.forward_s > 0
 
 
-def test_target_column_scores_only_target_tokens(checkpoint, model):
+def test_target_column_scores_only_target_tokens(checkpoint, engine):
     cfg = ScoreConfig(model=checkpoint, target_column="answer", token_logprobs=True)
     table = pa.table({"id": ["a", "b"], "prompt": ["The capital of France is", ""],
                       "answer": [" Paris.", " Hello there"]})
     rows = run(cfg, table).to_pylist()
     for r, p, t in zip(rows, table["prompt"].to_pylist(), table["answer"].to_pylist()):
-        pi = model.tokenizer.encode(p, add_special_tokens=False).ids
-        ti = model.tokenizer.encode(t, add_special_tokens=False).ids
-        ref = model.score_tokens([[0, *pi, *ti]])[0][-len(ti):]
+        pi = engine.tokenizer.encode(p, add_special_tokens=False).ids
+        ti = engine.tokenizer.encode(t, add_special_tokens=False).ids
+        ref = engine.score_tokens([[0, *pi, *ti]])[0][-len(ti):]
         assert r["num_scored_tokens"] == len(ti) and r["num_tokens"] == 1 + len(pi) + len(ti)
         assert abs(r["logprob_sum"] - float(ref.sum())) <= 1e-4 * len(ti)
 
@@ -109,7 +102,7 @@ def test_a_rejected_request_becomes_a_row_error(checkpoint):
 def broken_engine(actor):
     """Force the FlashMLA backend where it cannot run: every forward raises RuntimeError, as a
     GPU engine in a bad state would (a real failure of the engine, not a stand-in)."""
-    actor.model.engine = dataclasses.replace(actor.model.engine, attn_backend="flashmla")
+    actor.engine.config = dataclasses.replace(actor.engine.config, attn_backend="flashmla")
 
 
 def test_a_batch_that_keeps_failing_is_retried_then_answered_with_errors(checkpoint):

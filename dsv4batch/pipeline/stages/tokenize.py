@@ -10,33 +10,11 @@ out exactly once, in order.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any
 
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import ScoreConfig
-
-
-def tokenizer_source(model: str) -> str | None:
-    """The checkpoint's tokenizer.json when it has one, else None (the packaged DSv4 tokenizer).
-
-    Same rule as `dsv4batch.model.loader`, so tokenize tasks and the model agree.
-    """
-    if model != "tiny" and os.path.isfile(os.path.join(model, "tokenizer.json")):
-        return model
-    return None
-
-
-def bos_token_id(model: str) -> int:
-    path = os.path.join(model, "config.json")
-    if model != "tiny" and os.path.exists(path):
-        with open(path) as f:
-            bos = json.load(f).get("bos_token_id")
-        if isinstance(bos, int):
-            return bos
-    return 0
 
 
 class Tokenize:
@@ -50,7 +28,7 @@ class Tokenize:
         return S.StageSpec("tokenize", reads, (S.INPUT_IDS, S.NUM_SCORED, S.NUM_TRUNCATED, S.ERROR))
 
     def __init__(self, config: ScoreConfig, stats: Any = None):
-        from dsv4batch.model.tokenizer import load_tokenizer
+        from dsv4batch.model.tokenizer import bos_token_id, load_tokenizer, tokenizer_source
 
         self.config, self.stats = config, stats
         self.tokenizer = load_tokenizer(tokenizer_source(config.model))

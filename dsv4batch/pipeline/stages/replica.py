@@ -1,8 +1,6 @@
-"""Model loading for a scoring actor: device, dtype and engine settings from `ScoreConfig`."""
+"""A scoring actor's model replica: device, dtype and engine settings from `ScoreConfig`."""
 
 from __future__ import annotations
-
-import os
 
 from dsv4batch.pipeline.config import ScoreConfig
 
@@ -25,18 +23,19 @@ def torch_dtype(name: str, device: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_model(config: ScoreConfig, num_gpus: float):
-    """Load `DSv4Model` once per actor; returns (model, device, dtype name)."""
+def load_engine(config: ScoreConfig, num_gpus: float):
+    """Load the `Engine` once per actor; returns (engine, device, dtype name).
+
+    A model folder that is missing on this node, or that cannot load, raises the loader's
+    `ModelLoadError` naming the problem."""
     import torch
 
-    from dsv4batch.model import DSv4Model, EngineConfig
+    from dsv4batch.model import Engine, EngineConfig
 
     device = pick_device(num_gpus)
     if device == "cpu" and config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     dtype = torch_dtype(config.dtype, device)
-    if config.model != "tiny" and "://" not in config.model and not os.path.isdir(config.model):
-        raise FileNotFoundError(f"model folder {config.model!r} not found on this node")
-    model = DSv4Model.from_pretrained(config.model, device=device, dtype=dtype,
-                                      engine=EngineConfig(**config.engine_kwargs()))
-    return model, device, str(dtype).removeprefix("torch.")
+    engine = Engine.from_pretrained(config.model, device=device, dtype=dtype,
+                                    config=EngineConfig(**config.engine_kwargs()))
+    return engine, device, str(dtype).removeprefix("torch.")

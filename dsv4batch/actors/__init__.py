@@ -1,1 +1,0 @@
-"""Ray actors of the pipeline: `ScoringActor` (one DSv4 model replica per actor)."""

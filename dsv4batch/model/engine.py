@@ -1,0 +1,118 @@
+"""The scoring engine: validates requests, cuts them into packed steps, runs the model, gathers logprobs.
+
+`Engine` owns everything around the `DSv4Model` computation (nano-vllm's split): the
+`EngineConfig`, the tokenizer, the chunk workspace pool and the step loop. One `score` call
+returns its outputs and a `StepStats`; nothing is kept on the side between calls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .attention import WorkspacePool
+from .config import EngineConfig
+from .loader import load_model
+from .model import DSv4Model
+from .stats import StepStats
+from .step import RequestState, StepContext
+from .tokenizer import load_tokenizer, tokenizer_source
+
+
+class Engine:
+    """Scores token-id requests with `model` (per-token log p) under `config`.
+
+    tokenizer: a `tokenizers.Tokenizer` (the checkpoint's or the packaged DSv4 one) or None; the
+    engine itself only takes ids. pool: the `WorkspacePool` every chunk workspace comes from.
+    """
+
+    def __init__(self, model: DSv4Model, config: EngineConfig | None = None, tokenizer=None):
+        self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
+        self.pool = WorkspacePool()
+
+    @classmethod
+    def from_pretrained(cls, path_or_name: str, *, device="cpu", dtype=torch.float32,
+                        config: EngineConfig | None = None) -> "Engine":
+        """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json) or `TINY`."""
+        model = load_model(path_or_name, device=device, dtype=dtype)
+        return cls(model, config, load_tokenizer(tokenizer_source(path_or_name)))
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def validate(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Requests as int64 arrays; `ValueError` naming the first empty, out-of-vocab or too long one."""
+        vocab, max_len = self.model.config.vocab_size, self.config.max_model_len
+        arrays = []
+        for i, ids in enumerate(batch):
+            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+            if arr.size == 0:
+                raise ValueError(f"request {i} is empty: give at least one token id (e.g. bos)")
+            if arr.min() < 0 or arr.max() >= vocab:
+                bad = int(arr[(arr < 0) | (arr >= vocab)][0])
+                raise ValueError(f"request {i} has token id {bad} outside the vocabulary [0, {vocab})")
+            if arr.size > max_len:
+                raise ValueError(f"request {i} has {arr.size} tokens, more than max_model_len={max_len}")
+            arrays.append(arr)
+        return arrays
+
+    def schedule(self, states: list[RequestState]):
+        """Yield steps [(state, start, end)] of at most max_num_batched_tokens query tokens.
+
+        A request feeds positions [0, len - 1): the last token is only a target. Long requests
+        span steps and continue first in the next one. Advances each `state.done`.
+        """
+        budget, step = self.config.max_num_batched_tokens, []
+        pending = [s for s in states if len(s.ids) > 1]
+        used = 0
+        while pending:
+            st = pending[0]
+            take = min(len(st.ids) - 1 - st.done, budget - used)
+            step.append((st, st.done, st.done + take))
+            st.done += take
+            used += take
+            if st.done == len(st.ids) - 1:
+                pending.pop(0)
+            if used == budget or not pending:
+                yield step
+                step, used = [], 0
+
+    @torch.inference_mode()
+    def score(self, batch: Sequence[Sequence[int]]) -> tuple[list[np.ndarray], StepStats]:
+        """For each request of ids, float32 [len(ids) - 1]: element t-1 = log p(ids[t] | ids[:t]).
+
+        Also returns what this call did (`StepStats`, model_calls=1). `ValueError` for a bad request.
+        """
+        arrays = self.validate(batch)
+        stats = StepStats(model_calls=1)
+        t0 = time.perf_counter()
+        order = np.argsort([len(a) for a in arrays], kind="stable") if self.config.sort_by_length \
+            else np.arange(len(arrays))
+        states = [RequestState(arrays[i]) for i in order]
+        outputs = {id(st): np.zeros(len(st.ids) - 1, np.float32) for st in states}
+        self.pool.peak_bytes = 0
+        model, device = self.model, self.device
+        for segs in self.schedule(states):
+            ctx = StepContext(segs, ratios=model.ratios, window=model.config.sliding_window, config=self.config,
+                              ropes=model.ropes, pool=self.pool, stats=stats, device=device)
+            hidden = model.hidden_step(ctx, self.config.attn_backend)
+            targets = torch.from_numpy(np.concatenate([st.ids[s + 1:e + 1] for st, s, e in segs])).to(device)
+            logprobs = model.token_logprobs(hidden, targets, self.config.logits_slice).cpu().numpy()
+            for b, (st, s, e) in enumerate(segs):
+                outputs[id(st)][s:e] = logprobs[ctx.cu[b]:ctx.cu[b + 1]]
+                if e == len(st.ids) - 1:
+                    st.layers = {}  # finished: drop carried tensors now
+        result = [None] * len(arrays)
+        for st, i in zip(states, order):
+            result[i] = outputs[id(st)]
+        stats.forward_s = time.perf_counter() - t0
+        stats.peak_workspace_bytes = self.pool.peak_bytes
+        return result, stats
+
+    def score_tokens(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """`score(batch)`'s outputs alone."""
+        return self.score(batch)[0]

@@ -1,0 +1,41 @@
+"""Every error of a scoring job, and which of them Ray Data retries (no torch, no ray).
+
+Exit codes of `dsv4batch score`: `UsageError` 2 (nothing was scored), `JobFailed` 1 (the files
+written so far stay; the message says what to do). A scoring actor raises `BatchError` for an
+attempt that failed as a whole: the pipeline lists `RETRIED` in
+`DataContext.actor_task_retry_on_errors` (with `raise_original_map_exception`, so Ray sees it
+unwrapped), and the batch ledger (`faults`) bounds the attempts. `TooManyErrors` is deliberately
+not retried: it ends the job once more rows failed than `max_errored_rows` allows. A row that
+cannot be scored is not an exception at all: it gets an `error` text (`row_error`).
+"""
+
+from __future__ import annotations
+
+
+class UsageError(ValueError):
+    """A bad argument, path or column: reported to the user (CLI exit code 2), never retried."""
+
+
+class JobFailed(RuntimeError):
+    """The job stopped (CLI exit code 1); the message says why and what is in OUTPUT."""
+
+
+class RowCountError(JobFailed):
+    """The written rows do not match the input rows (the row contract is broken)."""
+
+
+class BatchError(RuntimeError):
+    """An attempt at a batch failed as a whole (the engine raised for every row); retried."""
+
+
+class TooManyErrors(RuntimeError):
+    """More rows failed scoring than `max_errored_rows`; stops the job (never retried)."""
+
+
+RETRIED = (BatchError,)
+
+
+def row_error(exc: BaseException) -> str:
+    """The `error` text of a row whose scoring raised `exc`: type and first line, <= 500 chars."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
