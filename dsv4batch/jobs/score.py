@@ -8,14 +8,28 @@ Exit codes: 0 done, 1 the job failed, 2 bad arguments, paths or columns (nothing
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+
+KEEP = "the rows written so far stay in OUTPUT; run again with --resume to finish"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`ray job stop`, a scheduler's stop): handled like Ctrl-C."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> int:
     from dsv4batch.jobs.cli import parse_config
-    from dsv4batch.pipeline.errors import JobFailed, UsageError
+    from dsv4batch.pipeline.errors import JobFailed, UsageError, one_line
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         config = parse_config(argv)
         from dsv4batch.pipeline.runner import run
@@ -26,16 +40,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2)
         return int(exc.code or 0) if isinstance(exc.code, int) else 2
+    except Terminated:
+        print(f"dsv4batch: terminated (SIGTERM); {KEEP}", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
-        print("dsv4batch: interrupted", file=sys.stderr)
+        print(f"dsv4batch: interrupted; {KEEP}", file=sys.stderr)
         return 130
     except JobFailed as exc:  # already worded for the user
         print(f"dsv4batch: failed: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - the CLI reports every failure the same way
-        print(f"dsv4batch: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"dsv4batch: failed: {one_line(exc)} (full trace: {_trace_file(exc)})",
+              file=sys.stderr)
         return 1
     return 0
+
+
+def _trace_file(exc: BaseException) -> str:
+    """Write `exc`'s whole traceback to a log file; its path."""
+    import os
+    import tempfile
+    import time
+    import traceback
+
+    path = os.path.join(tempfile.gettempdir(),
+                        f"dsv4batch-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    with open(path, "w") as f:
+        f.write("".join(traceback.format_exception(exc)))
+    return path
 
 
 if __name__ == "__main__":

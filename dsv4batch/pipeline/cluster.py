@@ -11,6 +11,26 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+
+
+def probe(address: str, timeout_s: float = 10.0) -> None:
+    """Refuse at once a `host:port` (or `ray://host:port`) nothing listens on; Ray itself would
+    retry the connection for minutes, printing warnings."""
+    import socket
+
+    from dsv4batch.pipeline.errors import UsageError
+
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # 'auto', 'local' or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UsageError(f"cannot reach the Ray cluster at {address!r} ({exc}); check "
+                         "--ray-address / RAY_ADDRESS and that `ray start` runs there") from exc
 
 
 def connect(address: str | None = None, **local_kwargs) -> bool:
@@ -20,11 +40,19 @@ def connect(address: str | None = None, **local_kwargs) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        probe(address)
     common = {"logging_level": logging.WARNING, "log_to_driver": True}
+    # ray.init replaces the SIGTERM handler with sys.exit(15); keep the caller's (the CLI
+    # stops like on Ctrl-C: lease released, a message, exit 143)
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
     if address:
         ray.init(address=address, **common)
     else:
         ray.init(address="local", dashboard_host="127.0.0.1", **common, **local_kwargs)
+    if main and sigterm not in (None, signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, sigterm)
     return True
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,9 @@ class ScoreConfig:
     ray_address: str | None = _f(None, "Ray cluster to join (e.g. 'auto', 'ray://host:10001'); "
                                  "default: RAY_ADDRESS, else start a local Ray.", group="run")
     progress: bool = _f(True, "Show live progress (rows, tokens/s) on stderr.", group="run")
+    allow_device_change: bool = _f(False, "Let --resume continue on another device kind or "
+                                   "compute dtype than the one recorded in OUTPUT/_job.json "
+                                   "(the dataset then mixes precisions).", group="run")
     # -- model
     model: str = _f("tiny", "Checkpoint folder (transformers save_pretrained layout with "
                     "tokenizer.json) or 'tiny'.", group="model")
@@ -110,6 +114,10 @@ class ScoreConfig:
                                         "through the whole input, and small blocks (< 100 KiB) "
                                         "wait in the driver's memory. None: 4 x max_block_mib "
                                         "+ 16 per replica.", group="resources", min=1)
+    wait_for_resources: bool = _f(False, "Start even when the cluster lacks the GPUs or CPUs "
+                                  "the replicas need right now (an autoscaler will add nodes); "
+                                  "without it such a run is refused up front.",
+                                  group="resources")
     # -- faults
     max_errored_rows: int | None = _f(None, "Most rows whose scoring failed (a batch that kept "
                                       "failing, an engine error) before the job stops (exit 1); "
@@ -126,6 +134,10 @@ class ScoreConfig:
                                  "A model that raises while loading stops the job at once.",
                                  group="faults", min=-1)
 
+    batch_timeout_s: float = _f(1800.0, "A batch still running after this many seconds (a "
+                                "stopped or hung actor) has its actor killed; Ray restarts it "
+                                "and the batch is retried like a crash.", group="faults", min=1)
+
     def __post_init__(self) -> None:
         if isinstance(self.keep_columns, (list, str)):
             kc = self.keep_columns.split(",") if isinstance(self.keep_columns, str) else self.keep_columns
@@ -141,6 +153,8 @@ class ScoreConfig:
             choices, lo = f.metadata["choices"], f.metadata["min"]
             if choices and value not in choices:
                 raise UsageError(f"config field {f.name!r}: {value!r} is not one of {choices}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"config field {f.name!r}: must be a finite number, got {value!r}")
             if lo is not None and value is not None and value < lo:
                 raise UsageError(f"config field {f.name!r}: must be >= {lo}, got {value!r}")
         if self.resume and self.overwrite:
@@ -155,6 +169,12 @@ class ScoreConfig:
         if clash:
             raise UsageError(f"keep_columns {sorted(clash)} clash with output columns; rename "
                              "them in the input")
+
+    def compute(self) -> dict[str, str]:
+        """{"device": "cuda" | "cpu", "dtype": the resolved compute dtype} the replicas use
+        (after `graph.resolve` filled in `gpus_per_replica`); recorded in `_job.json`."""
+        device = "cuda" if (self.gpus_per_replica or 0) > 0 else "cpu"
+        return {"device": device, "dtype": resolved_dtype(self.dtype, device)}
 
     def buffer_bytes(self) -> int:
         """`max_buffered_mib` in bytes, with its default filled in."""
@@ -195,6 +215,13 @@ class ScoreConfig:
         keys = ("model", "dtype", "text_column", "target_column", "id_column", "keep_columns",
                 "token_logprobs", "max_model_len", "truncate")
         return {k: v for k, v in self.to_dict().items() if k in keys}
+
+
+def resolved_dtype(name: str, device: str) -> str:
+    """`--dtype` on `device`: auto = bfloat16 on CUDA, float32 on the CPU backend."""
+    if name == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return name
 
 
 def _allows(hint: Any, t: type) -> bool:

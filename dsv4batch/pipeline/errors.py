@@ -11,6 +11,10 @@ cannot be scored is not an exception at all: it gets an `error` text (`row_error
 
 from __future__ import annotations
 
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
 
 class UsageError(ValueError):
     """A bad argument, path or column: reported to the user (CLI exit code 2), never retried."""
@@ -33,6 +37,18 @@ class TooManyErrors(RuntimeError):
 
 
 RETRIED = (BatchError,)
+
+
+def one_line(exc: BaseException) -> str:
+    """`exc` as one line for the user: Ray's wrapper exceptions unwrapped to their cause (a
+    `RayTaskError` keeps the original in `.cause`), colour codes and traceback text dropped."""
+    seen = set()
+    while isinstance(getattr(exc, "cause", None), BaseException) and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.cause
+    text = _ANSI.sub("", str(exc)).strip()
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first}"[:1000]
 
 
 def row_error(exc: BaseException) -> str:

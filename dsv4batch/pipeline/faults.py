@@ -22,7 +22,7 @@ from typing import Any
 from dsv4batch.pipeline.errors import RETRIED, JobFailed, TooManyErrors, row_error
 
 MAX_EXAMPLES = 5
-DIED = "the scoring actor died while scoring this batch"
+DIED = "the scoring actor died (or hung past --batch-timeout-s) while scoring this batch"
 KEEP = ("the rows written so far stay in OUTPUT; fix the cause and run again with --resume "
         "(raise --max-errored-rows to accept more failed rows)")
 

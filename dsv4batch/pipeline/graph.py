@@ -24,6 +24,8 @@ def resolve(config: ScoreConfig) -> ScoreConfig:
     `gpus_per_replica`: 1 when Ray sees GPUs, else 0 (CPU backend). `cpus_per_replica`: 1 with
     GPUs, else 0.5. On the CPU backend the actors must leave one whole CPU free: Ray Data's
     list/read/write tasks need 1 CPU each, and a pool that takes every CPU would wait forever.
+    Replicas that need more GPUs or CPUs than Ray sees are refused unless
+    `wait_for_resources` (an autoscaler will add nodes).
     """
     import ray
 
@@ -41,12 +43,19 @@ def resolve(config: ScoreConfig) -> ScoreConfig:
             f"{config.replicas} replica(s) x {cpus:g} CPU + {config.tokenize_concurrency} "
             f"tokenizer(s) x {config.tokenize_num_cpus:g} CPU leave less than 1 of the cluster's "
             f"{total:g} CPUs for read/write tasks; lower --replicas or --cpus-per-replica")
-    if gpus > 0 and cluster and config.replicas * gpus > cluster.get("GPU", 0):
+    short = [f"{config.replicas * n:g} {kind} ({config.replicas} replica(s) x {n:g}) but Ray "
+             f"sees {cluster.get(kind, 0):g}" for kind, n in (("GPU", gpus), ("CPU", cpus))
+             if n > 0 and cluster and config.replicas * n > cluster.get(kind, 0)]
+    if short and not config.wait_for_resources:
+        raise UsageError(f"the replicas need {'; '.join(short)}: the run would wait forever "
+                         "without an autoscaler. Lower --replicas / --gpus-per-replica / "
+                         "--cpus-per-replica, or pass --wait-for-resources when an autoscaler "
+                         "adds nodes")
+    if short:
         import logging
 
-        logging.getLogger(__name__).warning(
-            "%d replica(s) x %g GPU exceed the %g GPUs Ray sees now; the run waits for an "
-            "autoscaler to add GPU nodes", config.replicas, gpus, cluster.get("GPU", 0))
+        logging.getLogger(__name__).warning("the replicas need %s; waiting for an autoscaler "
+                                            "to add nodes", "; ".join(short))
     if (gpus, cpus) == (config.gpus_per_replica, config.cpus_per_replica):
         return config
     return config.replace(gpus_per_replica=gpus, cpus_per_replica=cpus)

@@ -119,9 +119,30 @@ def format_summary(m: dict) -> str:
              "time: " + "  ".join(f"{k} {v:.2f}s" for k, v in m["time_s"].items())
              + f"  steps {m['num_steps']}  chunks {m['num_chunks']}  peak workspace "
              f"{m['peak_workspace_bytes'] / 2**20:.1f} MiB"]
+    total = m.get("total") or {}
+    if total.get("num_runs", 1) > 1:
+        lines.append(f"all {total['num_runs']} runs into OUTPUT: rows {total['rows']} (errors "
+                     f"{total['rows_errored']})  tokens {total['input_tokens']}  wall "
+                     f"{total['wall_s']:.1f}s; OUTPUT holds {m.get('rows_in_output')} rows")
     for a in m["actors"]:
         restarts = f"  restarts {a['restarts']}" if a.get("restarts") else ""
         lines.append(f"  actor {a['actor_id'][:12]} node {str(a['node_id'])[:12]} {a['device']}: "
                      f"{a['rows']} rows  {a['tokens_per_s']:.0f} tok/s  {a['rows_per_s']:.1f} "
                      f"rows/s  busy {a['busy_s']:.1f}s{restarts}")
     return "\n".join(lines)
+
+
+_TOTALS = ("rows", "rows_scored", "rows_errored", "rows_failed", "input_tokens", "scored_tokens",
+           "wall_s")
+_HISTORY = ("run_id", "resumed", "rows_skipped", *_TOTALS)
+
+
+def accumulate(previous: dict | None, current: dict) -> dict:
+    """`current` (this run's summary) with `total` over every run into OUTPUT and `runs`, the
+    history (one line per finished run; a run killed before it finished wrote no summary, and
+    its rows are counted in `rows_in_output` only)."""
+    runs = [*(previous or {}).get("runs", []), {k: current.get(k) for k in _HISTORY}]
+    total = {k: round(sum(r.get(k) or 0 for r in runs), 3) for k in _TOTALS}
+    total.update(num_runs=len(runs), tokens_per_s=_rate(total["input_tokens"], total["wall_s"]),
+                 rows_per_s=_rate(total["rows"], total["wall_s"]))
+    return {**current, "total": total, "runs": runs}

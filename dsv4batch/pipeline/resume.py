@@ -1,9 +1,16 @@
-"""`--resume`: the configuration recorded in OUTPUT's `_job.json` must still hold.
+"""`--resume`: what `_job.json` recorded must still hold, or the run is refused by name.
 
-A resumed run must produce rows the first run could have produced: the fields of
-`ScoreConfig.result_fields` (model, dtype, columns, scoring options) must equal the recorded
-ones, and a difference is refused by name. The finished part files are listed by
-`output.finished_parts`; their ids are only ever read by the Ray Data id scan (`ids.scan`).
+A resumed run must produce rows the first run could have produced:
+- `check_config`: the fields of `ScoreConfig.result_fields` (model, dtype, columns, scoring
+  options) equal the recorded ones;
+- `check_compute`: the same device kind and resolved compute dtype (`--allow-device-change`
+  accepts another, with a warning: the dataset then mixes precisions);
+- `check_inputs`: INPUT's files match their recorded fingerprints (size, rows, Parquet footer
+  digest). With derived ids (`<file>:<row>`) a changed file is refused, naming it (its rows
+  would carry other rows' scores); with explicit ids it is a warning (rows are matched by id).
+  Added or removed files are reported.
+The finished part files are listed by `output.finished_parts`; their ids are only ever read by
+the Ray Data id scan (`ids.scan`).
 """
 
 from __future__ import annotations
@@ -13,14 +20,9 @@ from dsv4batch.pipeline.config import ScoreConfig
 from dsv4batch.pipeline.errors import UsageError
 
 
-def check_config(output: str, config: ScoreConfig, log=None) -> dict:
-    """The recorded `_job.json`; refuses a configuration whose results would differ."""
-    try:
-        job = O.read_json(output, O.JOB)
-        recorded = job["result"]
-    except Exception as exc:
-        raise UsageError(f"--resume: cannot read {O.JOB} in {output!r}: {exc}") from exc
-    current = config.result_fields()
+def check_config(job: dict, config: ScoreConfig, log=None) -> dict:
+    """Refuse a configuration whose results would differ from the recorded `job`'s."""
+    recorded, current = job["result"], config.result_fields()
     diffs = [f"{k} {recorded.get(k)!r} -> {v!r}" for k, v in current.items()
              if recorded.get(k) != v]
     if diffs:
@@ -31,3 +33,36 @@ def check_config(output: str, config: ScoreConfig, log=None) -> dict:
         log(f"[dsv4batch] note: INPUT {config.input!r} differs from the recorded "
             f"{job.get('input')!r}; rows are matched by id")
     return job
+
+
+def check_compute(job: dict, compute: dict, allow_change: bool, log) -> None:
+    """`compute`: this run's {"device", "dtype"}; the recorded one must match."""
+    recorded = job.get("compute")
+    if not recorded or recorded == compute:
+        return
+    what = (f"OUTPUT was scored on {recorded.get('device')} in {recorded.get('dtype')}, this run "
+            f"would score on {compute['device']} in {compute['dtype']}")
+    if not allow_change:
+        raise UsageError(f"--resume: {what}; the dataset would mix precisions. Resume on the "
+                         "same device kind, pass --dtype to match, or --allow-device-change")
+    log(f"[dsv4batch] warning: {what} (--allow-device-change)")
+
+
+def check_inputs(job: dict, fingerprints: list[dict] | None, derived_ids: bool, log) -> None:
+    """Compare INPUT's files with the fingerprints recorded in `job` (see module doc)."""
+    before = {f["path"]: f for f in job.get("inputs") or []}
+    if not before or fingerprints is None:
+        return  # an OUTPUT of an older version, or more files than footers are read
+    now = {f["path"]: f for f in fingerprints}
+    changed = sorted(p for p in now.keys() & before.keys() if now[p] != before[p])
+    added, removed = sorted(now.keys() - before.keys()), sorted(before.keys() - now.keys())
+    if changed and derived_ids:
+        raise UsageError(f"--resume: INPUT file(s) changed since the first run ({changed[:5]}): "
+                         "their derived ids '<file>:<row>' would now name other rows. Score "
+                         "into a new OUTPUT, or give the input an id column")
+    if changed:
+        log(f"[dsv4batch] warning: INPUT file(s) changed since the first run ({changed[:5]}); "
+            "rows are matched by their ids")
+    if added or removed:
+        log(f"[dsv4batch] note: INPUT's files changed since the first run: {len(added)} added "
+            f"{added[:3]}, {len(removed)} removed {removed[:3]}")

@@ -1,11 +1,15 @@
 """`run(config)`: the whole `dsv4batch score` job.
 
-Every check that can fail without scoring runs first, before Ray starts (INPUT files, columns
-and types, the model folder, OUTPUT writable, the recorded configuration on --resume), then the
-Ray Data id scan (duplicate ids; on --resume the rows already written), then the scoring graph
-into the part-file sink. `_job.json` is written before scoring, `_metrics.json` and `_SUCCESS`
-only after OUTPUT's part files hold exactly one row per input row. An input with nothing to
-score (empty, or every row already written) finishes without starting the pipeline.
+Order, so that every refusal comes before anything in OUTPUT is deleted or rewritten: INPUT
+(files, columns, types, fingerprints) and the model folder, before Ray starts; then the OUTPUT
+lease (one writer per OUTPUT); OUTPUT's state and, on --resume, the recorded configuration,
+inputs and finished parts; then Ray, the resources the replicas need, the recorded device kind
+and the Ray Data id scan (duplicate ids; on --resume the rows already written). Only then is
+OUTPUT cleared as planned and `_job.json` written, and the scoring graph runs into the
+part-file sink. `_metrics.json` (this run, the total over every run into OUTPUT, and the
+history) and `_SUCCESS` are written only after OUTPUT's part files hold exactly one row per
+input row. An input with nothing to score (empty, or every row already written) finishes
+without starting the pipeline.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import uuid
 from dsv4batch import __version__
 from dsv4batch.pipeline import output as O
 from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import RowCountError, UsageError
+from dsv4batch.pipeline.errors import JobFailed, RowCountError, UsageError
 from dsv4batch.pipeline.stats import Written
 
 
@@ -36,35 +40,64 @@ def check_model(model: str) -> None:
 
 def run(config: ScoreConfig, *, log=None) -> dict:
     """Run a scoring job; returns the metrics document also written to `_metrics.json`."""
+    from dsv4batch.pipeline.fs import open_fs
+    from dsv4batch.pipeline.lease import Lease
     from dsv4batch.pipeline.read import check_input, inspect_input
-    from dsv4batch.pipeline.resume import check_config
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if not config.input or not config.output:
         raise UsageError("both INPUT and OUTPUT are required")
-    info = inspect_input(config.input)
+    info = inspect_input(config.input, exclude=config.output)
     check_input(info, config)
     check_model(config.model)
-    resuming = O.prepare_output(config.output, config.overwrite, config.resume)
-    job = check_config(config.output, config, log) if resuming else {}
-    parts = O.finished_parts(config.output) if resuming else O.Parts([], 0, None)
     run_id = uuid.uuid4().hex[:8]
-    runs = [*job.get("runs", []), {"run_id": run_id, "resumed": resuming, "started": time.time()}]
-    O.write_json(config.output, O.JOB, {
-        "version": __version__, "run_id": run_id, "input": config.input,
-        "result": config.result_fields(), "config": config.to_dict(),
-        "input_rows": info.num_rows, "input_files": len(info.files), "runs": runs})
-    extra = {"run_id": run_id, "input_rows": info.num_rows, "resumed": resuming,
-             "model": config.model}
+    lease = Lease(*open_fs(config.output), run_id, log).acquire()
+    try:
+        metrics = _run(config, info, run_id, log)
+    finally:
+        lease.release()
+    if lease.lost:
+        raise JobFailed(f"{lease.lost}; check OUTPUT's part files before resuming")
+    return metrics
+
+
+def _run(config: ScoreConfig, info, run_id: str, log) -> dict:
+    from dsv4batch.pipeline import schema as S
+    from dsv4batch.pipeline.resume import check_config, check_inputs
+
+    state = O.inspect_output(config.output, config.overwrite, config.resume)
+    job, parts = {}, O.Parts([], 0, None)
+    if state.resuming:
+        job = check_config(state.job, config, log)
+        columns = [*S.output_names(config.token_logprobs, config.truncate != "none"),
+                   *config.keep_columns]
+        parts = O.finished_parts(config.output, columns)
+        check_inputs(job, info.fingerprints, config.id_column not in info.schema.names, log)
+    run = {"run_id": run_id, "input_rows": info.num_rows, "resumed": state.resuming,
+           "model": config.model}
     if info.num_rows == 0:
         if parts.rows:
             raise UsageError(f"INPUT is empty but OUTPUT holds {parts.rows} rows of another run")
+        _start(config, info, state, job, run_id)
         O.write_table(config.output, O.part_name(run_id, 0), _empty_table(config, info))
-        return _finish(config, info, _nothing(), 0.0, {**extra, "rows_skipped": 0}, log)
-    return _score(config, info, parts, run_id, extra, log)
+        return _finish(config, info, _nothing(), 0.0, {**run, "rows_skipped": 0}, job, log)
+    return _score(config, info, state, job, parts, run, log)
 
 
-def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> dict:
+def _start(config: ScoreConfig, info, state, job: dict, run_id: str) -> None:
+    """Every check passed: clear OUTPUT as planned, record the run in `_job.json`."""
+    O.clear_output(state)
+    runs = [*job.get("runs", []), {"run_id": run_id, "resumed": state.resuming,
+                                   "started": time.time()}]
+    O.write_json(config.output, O.JOB, {
+        "writer": O.WRITER, "version": __version__, "run_id": run_id, "input": config.input,
+        "result": config.result_fields(), "compute": job.get("compute") or config.compute(),
+        "config": config.to_dict(), "input_rows": info.num_rows,
+        "input_files": len(info.files), "id_type": str(info.id_type),
+        "inputs": info.fingerprints, "runs": runs})
+
+
+def _score(config: ScoreConfig, info, state, job: dict, parts, run: dict, log) -> dict:
     import ray
 
     from dsv4batch.pipeline.cluster import configure_data_context, connect
@@ -75,11 +108,14 @@ def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> d
     from dsv4batch.pipeline.metrics import start_collector
     from dsv4batch.pipeline.progress import Progress
     from dsv4batch.pipeline.read import read
+    from dsv4batch.pipeline.resume import check_compute
     from dsv4batch.pipeline.sink import ParquetPartSink
 
     connect(config.ray_address)
     configure_data_context()
     config = resolve(config)
+    if state.resuming:
+        check_compute(job, config.compute(), config.allow_device_change, log)
     pending = None
     if parts.files or config.id_column in info.schema.names:  # derived ids are unique
         t0 = time.time()
@@ -87,11 +123,12 @@ def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> d
                            parts.id_type)
         log(f"[dsv4batch] id scan: {info.num_rows} ids checked, {pending.skipped} already in "
             f"OUTPUT ({time.time() - t0:.1f}s)")
+    _start(config, info, state, job, run["run_id"])
     skipped = pending.skipped if pending else 0
     todo = None if info.num_rows is None else info.num_rows - skipped
-    extra = {**extra, "rows_skipped": skipped}
+    run = {**run, "rows_skipped": skipped}
     if todo == 0:
-        return _finish(config, info, _nothing(), 0.0, extra, log)
+        return _finish(config, info, _nothing(), 0.0, run, job, log)
     limit = (config.max_errored_rows if config.max_errored_rows is not None
              else math.ceil(todo / 1000) if todo is not None else None)
     log(f"[dsv4batch] scoring {todo if todo is not None else 'all'} rows from "
@@ -99,7 +136,7 @@ def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> d
         f"{config.gpus_per_replica:g} GPU of {config.model!r}"
         + (f" ({skipped} already in OUTPUT)" if skipped else ""))
     collector = start_collector(limit)
-    sink = ParquetPartSink(config.output, run_id=run_id, rows_per_file=config.rows_per_file)
+    sink = ParquetPartSink(config.output, run_id=run["run_id"], rows_per_file=config.rows_per_file)
     dataset = score(read(config, info, pending if skipped else None), config, stats=collector)
     t0 = time.time()
     try:
@@ -119,12 +156,12 @@ def _score(config: ScoreConfig, info, parts, run_id: str, extra: dict, log) -> d
     if todo is not None and written.rows != todo:
         raise RowCountError(f"wrote {written.rows} rows for {todo} rows to score")
     return _finish(config, info, (snapshot, written), time.time() - t0,
-                   {**extra, "max_errored_rows": limit}, log)
+                   {**run, "max_errored_rows": limit}, job, log)
 
 
-def _finish(config, info, result, wall: float, extra: dict, log) -> dict:
+def _finish(config, info, result, wall: float, extra: dict, job: dict, log) -> dict:
     """Check OUTPUT holds one row per input row, then write `_metrics.json` and `_SUCCESS`."""
-    from dsv4batch.pipeline.metrics import format_summary, summarize
+    from dsv4batch.pipeline.metrics import accumulate, format_summary, summarize
 
     snapshot, written = result
     total = O.finished_parts(config.output).rows
@@ -134,10 +171,18 @@ def _finish(config, info, result, wall: float, extra: dict, log) -> dict:
     metrics = summarize(snapshot, written, wall,
                         {**extra, "rows_in_output": total, "replicas": config.replicas,
                          "gpus_per_replica": config.gpus_per_replica})
+    metrics = accumulate(_previous_metrics(config.output) if extra["resumed"] else None, metrics)
     O.write_json(config.output, O.METRICS, metrics)
     O.write_json(config.output, O.SUCCESS, {"run_id": extra["run_id"], "rows": total})
     log(format_summary(metrics))
     return metrics
+
+
+def _previous_metrics(output: str) -> dict | None:
+    try:
+        return O.read_json(output, O.METRICS)
+    except Exception:  # noqa: BLE001 - none yet (the first run was killed) or unreadable
+        return None
 
 
 def _nothing() -> tuple[dict, Written]:
@@ -152,10 +197,7 @@ def _empty_table(config: ScoreConfig, info):
 
     from dsv4batch.pipeline import schema as S
 
-    names = info.schema.names
-    id_type = info.schema.field(config.id_column).type if config.id_column in names \
-        else pa.string()
-    schema = S.output_schema(id_type, config.token_logprobs,
+    schema = S.output_schema(info.id_type or pa.string(), config.token_logprobs,
                              [info.schema.field(c) for c in config.keep_columns],
                              config.truncate != "none")
     return schema.empty_table()

@@ -54,6 +54,15 @@ def output_schema(id_type, token_logprobs: bool, keep_fields=(), truncated: bool
     return pa.schema(fields + list(keep_fields))
 
 
+def id_kind(t) -> str:
+    """'integer', 'string' or 'binary': ids of one kind compare after a cast (int32 vs int64)."""
+    import pyarrow as pa
+
+    if pa.types.is_integer(t):
+        return "integer"
+    return "binary" if pa.types.is_binary(t) or pa.types.is_large_binary(t) else "string"
+
+
 def input_columns(config, available: list[str] | None = None) -> list[str]:
     """Columns to read: text, target, id (when present or `available` is unknown), keep."""
     cols = [config.text_column]

@@ -2,7 +2,9 @@
 
 import json
 import os
+import time
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 # small and fast: fractional CPUs so read/tokenize/write tasks are never starved on 2 cores
@@ -75,3 +77,35 @@ def nothing_scored(out) -> None:
     """A refused run: no part file and no _SUCCESS (at most the _job.json of the attempt)."""
     if os.path.exists(out):
         assert not parts(out) and "_SUCCESS" not in os.listdir(out), os.listdir(out)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORDS = ("Ray Data streams Parquet rows through tokenize and scoring actors into part files "
+         "that are renamed only when complete so a killed job leaves nothing half written").split()
+
+
+def write_input(path, n: int, with_ids: bool = True) -> list[str]:
+    """n rows of short prompts; the ids the output must hold (derived ones without an id column)."""
+    texts = [" ".join(WORDS[(i % 7):(i % 7) + 8 + i % 9]) for i in range(n)]
+    if not with_ids:
+        pq.write_table(pa.table({"prompt": texts}), path, row_group_size=16)
+        return [f"{os.path.basename(path)}:{i}" for i in range(n)]
+    ids = [f"row-{i}" for i in range(n)]
+    pq.write_table(pa.table({"id": ids, "prompt": texts}), path, row_group_size=16)
+    return ids
+
+
+def wait_for(predicate, what: str, timeout: float = 300, proc=None):
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline or (proc is not None and proc.poll() is not None):
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.05)
+
+
+def alive_pipeline_actors(address: str) -> list:
+    from ray.util.state import list_actors
+
+    # the module's own cluster by address: other Ray instances may run on the same machine
+    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name.startswith("MapWorker(")]

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -19,41 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from dsv4batch.jobs.score import main
-from tests.jobs.conftest import SMALL_PARTS, finished, part_rows, parts
+from tests.jobs.conftest import (REPO, SMALL_PARTS, alive_pipeline_actors, finished, part_rows,
+                                 parts, wait_for, write_input)
 
 RAY_DASHBOARD = True  # ray.util.state finds the actor to kill through the dashboard
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORDS = ("Ray Data streams Parquet rows through tokenize and scoring actors into part files "
-         "that are renamed only when complete so a killed job leaves nothing half written").split()
-
-
-def write_input(path, n: int, with_ids: bool = True) -> list[str]:
-    """n rows of short prompts; the ids the output must hold (derived ones without an id column)."""
-    texts = [" ".join(WORDS[(i % 7):(i % 7) + 8 + i % 9]) for i in range(n)]
-    if not with_ids:
-        pq.write_table(pa.table({"prompt": texts}), path, row_group_size=16)
-        return [f"{os.path.basename(path)}:{i}" for i in range(n)]
-    ids = [f"row-{i}" for i in range(n)]
-    pq.write_table(pa.table({"id": ids, "prompt": texts}), path, row_group_size=16)
-    return ids
-
-
-def wait_for(predicate, what: str, timeout: float = 300, proc=None):
-    deadline = time.time() + timeout
-    while not predicate():
-        if time.time() > deadline or (proc is not None and proc.poll() is not None):
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.05)
-
-
-def alive_pipeline_actors(address: str) -> list:
-    from ray.util.state import list_actors
-
-    # the module's own cluster by address: other Ray instances may run on the same machine
-    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.class_name.startswith("MapWorker(")]
-
-
 def test_killed_scoring_actor_is_restarted_and_the_job_completes(tmp_path, checkpoint, local_ray):
     src, out = tmp_path / "in.parquet", tmp_path / "out"
     ids = write_input(src, 64)
@@ -102,12 +70,17 @@ def test_killed_driver_then_resume_scores_only_the_missing_rows(tmp_path, checkp
     rows, metrics = finished(out, ids)
     assert metrics["resumed"] and metrics["rows_skipped"] == written
     assert metrics["rows"] == len(ids) - written  # scored only what was missing
+    # the killed run wrote no summary: the total counts the finished run, OUTPUT holds all
+    assert metrics["total"]["num_runs"] == 1 and metrics["rows_in_output"] == len(ids)
     with open(out / "_job.json") as f:
         assert [r["resumed"] for r in json.load(f)["runs"]] == [False, True]
     # nothing left: another --resume finishes without starting a scoring actor
     assert main([*args, "--resume"]) == 0
     _, metrics = finished(out, ids)
     assert (metrics["rows"], metrics["rows_skipped"], metrics["num_actors"]) == (0, len(ids), 0)
+    # finding 11: a no-op resume keeps the totals of the runs before it
+    assert metrics["total"]["num_runs"] == 2 and metrics["total"]["rows"] == len(ids) - written
+    assert [r["rows"] for r in metrics["runs"]] == [len(ids) - written, 0]
 
 
 @pytest.mark.parametrize("with_ids", [True, False])
@@ -138,16 +111,17 @@ def test_resume_refuses_another_configuration(tmp_path, capsys):
     src, out = tmp_path / "in.parquet", tmp_path / "out"
     write_input(src, 4)
     out.mkdir()
-    (out / "_job.json").write_text(json.dumps({"result": {
+    (out / "_job.json").write_text(json.dumps({"writer": "dsv4batch", "result": {
         "model": "tiny", "dtype": "auto", "text_column": "prompt", "target_column": None,
         "id_column": "id", "keep_columns": [], "token_logprobs": False, "max_model_len": 8192,
         "truncate": "none"}}))
+    pq.write_table(pa.table({"id": ["row-0"]}), out / "part-0123abcd-000000.parquet")
     assert main([str(src), str(out), "--resume", "--max-model-len", "99", "--token-logprobs"]) == 2
     err = capsys.readouterr().err
     assert "in: token_logprobs False -> True; max_model_len 8192 -> 99." in err
     assert main([str(src), str(out)]) == 2  # neither --resume nor --overwrite
     assert "is not empty; pass --resume" in capsys.readouterr().err
-    assert os.listdir(out) == ["_job.json"]
+    assert sorted(os.listdir(out)) == ["_job.json", "part-0123abcd-000000.parquet"]
 
 
 BROKEN_DRIVER = """import sys, ray

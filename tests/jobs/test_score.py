@@ -105,10 +105,11 @@ def test_usage_errors_exit_2_before_scoring(tmp_path, capsys):
     assert "['prompt'] not in the input" in capsys.readouterr().err
     out = tmp_path / "o2"
     out.mkdir()
-    (out / "part-x-000000.parquet").write_bytes(b"")
+    (out / "_job.json").write_text('{"writer": "dsv4batch", "run_id": "x", "result": {}}')
+    (out / "part-0123abcd-000000.parquet").write_bytes(b"")
     assert main([str(src), str(out), "--text-column", "text"]) == 2
     assert "not empty" in capsys.readouterr().err
-    assert os.listdir(out) == ["part-x-000000.parquet"]
+    assert sorted(os.listdir(out)) == ["_job.json", "part-0123abcd-000000.parquet"]
     assert main([str(src), str(tmp_path / "o4"), "--text-column", "text", "--model",
                  str(tmp_path)]) == 2
     assert "has no config.json" in capsys.readouterr().err

@@ -60,12 +60,13 @@ def partition_of(ids, parts: int):
         return (mix64(v) % np.uint64(parts)).astype(np.int64)
 
 
-def read_keys(batch, filesystem, id_column: str | None, root: str, parts: int, id_type=None):
+def read_keys(batch, filesystem, id_column: str | None, root: str, parts: int, id_type,
+              output: bool = False):
     """Files -> blocks of (id, in, done, key, partition), streamed one chunk at a time.
 
-    INPUT files (`id_type` None): in=1, done=0, key = file index << 40 | row position; with
-    `id_column` None the ids are derived like `derive.DeriveIds` ('<file>:<row>'). OUTPUT part
-    files (`id_type` given: INPUT's id type): in=0, done=1, key=-1. Reading the id column with
+    Ids are cast to `id_type` (INPUT's one id type). INPUT files: in=1, done=0, key = file
+    index << 40 | row position; with `id_column` None the ids are derived like
+    `derive.DeriveIds` ('<file>:<row>'). OUTPUT part files (`output`): in=0, done=1, key=-1. Reading the id column with
     pyarrow in plain tasks gives row positions directly and starts much faster than
     `ray.data.read_parquet` for a scan of one column.
     """
@@ -73,7 +74,7 @@ def read_keys(batch, filesystem, id_column: str | None, root: str, parts: int, i
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    side = 0 if id_type is not None else 1
+    side = 0 if output else 1
     for path, index in zip(batch["path"].to_pylist(), batch["index"].to_pylist()):
         with filesystem.open_input_file(path) as fh:
             pf, offset = pq.ParquetFile(fh), 0
@@ -86,7 +87,7 @@ def read_keys(batch, filesystem, id_column: str | None, root: str, parts: int, i
                 chunks = (b.column(0) for b in pf.iter_batches(CHUNK_ROWS, columns=[id_column]))
             for ids in chunks:
                 n = len(ids)
-                ids = ids.cast(id_type) if id_type is not None else ids
+                ids = ids.cast(id_type)
                 keys = ((index << KEY_SHIFT) + offset + np.arange(n, dtype=np.int64) if side
                         else np.full(n, -1, np.int64))
                 offset += n
@@ -146,16 +147,15 @@ def scan_ids(config: ScoreConfig, info, done_files: list[str], done_rows: int,
              output_fs=None, id_type=None) -> Pending:
     """Refuse bad ids (UsageError) and find the rows OUTPUT already holds; runs on Ray Data."""
     import numpy as np
-    import pyarrow as pa
     from ray.data.context import ShuffleStrategy
 
     derive = config.id_column not in info.schema.names
     parts = max(1, math.ceil(((info.num_rows or 0) + done_rows) / ROWS_PER_PARTITION))
+    expected = info.id_type
     ds = _files(info.files, filesystem=info.filesystem, root=info.root, parts=parts,
-                id_column=None if derive else config.id_column)
+                id_column=None if derive else config.id_column, id_type=expected)
     if done_files:
-        expected = pa.string() if derive else info.schema.field(config.id_column).type
-        if id_type is not None and id_type != expected:
+        if id_type is not None and S.id_kind(id_type) != S.id_kind(expected):
             raise UsageError(f"OUTPUT's ids have type {id_type}, INPUT's {expected}: OUTPUT is "
                              "not a run over this INPUT")
         if output_fs is None:
@@ -163,7 +163,7 @@ def scan_ids(config: ScoreConfig, info, done_files: list[str], done_rows: int,
 
             output_fs = pafs.LocalFileSystem()
         ds = ds.union(_files(done_files, filesystem=output_fs, root="", id_column=S.ID,
-                             parts=parts, id_type=expected))
+                             parts=parts, id_type=expected, output=True))
     # P groups: the task-based sort shuffle starts far faster than the actor-based hash shuffle
     ds.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
     found = ds.groupby(PART, num_partitions=parts).map_groups(classify, batch_format="pyarrow")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import ScoreConfig, resolved_dtype
 
 
 def pick_device(num_gpus: float) -> str:
@@ -18,9 +18,7 @@ def pick_device(num_gpus: float) -> str:
 def torch_dtype(name: str, device: str):
     import torch
 
-    if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return getattr(torch, resolved_dtype(name, device))
 
 
 def load_engine(config: ScoreConfig, num_gpus: float):

@@ -25,6 +25,7 @@ from dsv4batch.pipeline.errors import BatchError, row_error
 from dsv4batch.pipeline.faults import BatchGuard
 from dsv4batch.pipeline.stages.replica import load_engine
 from dsv4batch.pipeline.stages.telemetry import ActorTelemetry
+from dsv4batch.pipeline.stages.watchdog import Watchdog
 from dsv4batch.pipeline.stats import BatchStats
 
 
@@ -51,14 +52,15 @@ class ScoringActor:
             self.guard.load_failed(exc)
             raise
         self.telemetry = ActorTelemetry(config.model)
-        self.actor_id, self.node_id = f"local-{os.getpid()}", None
+        self.actor_id, self.node_id, self.watchdog = f"local-{os.getpid()}", None, None
         try:
             import ray
 
-            if ray.is_initialized():
+            if ray.is_initialized() and ray.get_runtime_context().get_actor_id():
                 ctx = ray.get_runtime_context()
-                self.actor_id = ctx.get_actor_id() or self.actor_id
-                self.node_id = ctx.get_node_id()
+                self.actor_id, self.node_id = ctx.get_actor_id(), ctx.get_node_id()
+                # only in a Ray actor: the watchdog kills the process it runs in
+                self.watchdog = Watchdog(config.batch_timeout_s)
         except Exception:
             pass
         self.info = {"actor_id": self.actor_id, "node_id": self.node_id, "pid": os.getpid(),
@@ -68,6 +70,15 @@ class ScoringActor:
             stats.register_actor.remote(self.info)
 
     def __call__(self, batch):
+        if self.watchdog is None:
+            return self._answer(batch)
+        self.watchdog.busy()
+        try:
+            return self._answer(batch)
+        finally:
+            self.watchdog.idle()
+
+    def _answer(self, batch):
         t_start, p0 = time.time(), time.perf_counter()
         S.check_columns("score", self.spec(self.config).reads, batch.column_names, "batch")
         ids, scored, errors = read_requests(batch)

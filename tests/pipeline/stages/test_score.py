@@ -133,8 +133,8 @@ def test_a_crashed_attempt_counts_and_is_named(checkpoint):
     # an attempt whose actor process died leaves only its begin_batch in the ledger
     stats.collector.begin_batch(batch_key(["x", "y"]))
     rows = ScoringActor(cfg, stats=stats)(batch).to_pylist()
-    assert all(r["error"] == "scoring failed 1 time(s): the scoring actor died while scoring "
-               "this batch" for r in rows)
+    assert all(r["error"] == "scoring failed 1 time(s): the scoring actor died (or hung past "
+               "--batch-timeout-s) while scoring this batch" for r in rows)
 
 
 def test_failed_rows_past_the_limit_stop_the_job(checkpoint):
