@@ -7,6 +7,11 @@ vocabulary head dominates its cost) and `dsv4-shape` (DSv4's attention shape sca
 Measured in one run, best of `--repeats`, engines interleaved. `*_layers_*` time the decoder
 stack alone (no vocabulary projection), which is where the sparse attention's saving shows: the
 129,280-row head costs both engines the same per token and caps the end-to-end ratio.
+
+`--weights stored,compute` replaces the comparison: each model is written as a native FP8/FP4
+checkpoint and loaded both ways (weights kept as stored vs dequantized at load); it reports
+their tokens/s (end to end and decoder stack only: the vocabulary head is dense in both), resident
+parameter + buffer bytes (all, and under `layers.`) and the largest logprob difference.
 """
 
 from __future__ import annotations
@@ -73,16 +78,79 @@ def ours_layers(ours, batch):
         del ours.model.token_logprobs  # the class's method again
 
 
+def quantized_checkpoint(name: str) -> str:
+    """A native FP8/FP4 checkpoint folder of model `name`: its seeded weights written in the native
+    layout (FP8 128x128-block linears, FP4 routed experts; `save_checkpoint(quantize=True)`)."""
+    import os
+
+    from dsv4batch.model import TINY, DSv4Model
+    from dsv4batch.model.loader import load_model, save_checkpoint
+    from dsv4batch.model.tiny import seed_weights
+
+    if name == TINY:
+        model = load_model(TINY)
+    else:
+        model = DSv4Model(dsv4_shape_config())
+        seed_weights(model)
+    path = tempfile.mkdtemp(prefix="dsv4batch-bench-quant-")
+    save_checkpoint(model, path, quantize=True)
+    os.remove(os.path.join(path, "tokenizer.json"))  # the packaged tokenizer is the same
+    return path
+
+
+def weights_bench(args, config) -> dict:
+    """`--weights stored,compute`: tokens/s and resident bytes of each mode on a quantized checkpoint."""
+    import os
+
+    import numpy as np
+
+    from dsv4batch.model import Engine
+    from dsv4batch.model.model import model_tensors
+
+    modes = args.weights.split(",")
+    result = {"bench": "forward", "weights": modes, "threads": torch.get_num_threads(), "models": {}}
+    for model_name in args.models.split(","):
+        path = quantized_checkpoint(model_name)
+        engines = {w: Engine.from_pretrained(path, config=config, weights=w) for w in modes}
+        files = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+        row = {"checkpoint_bytes": files}
+        for w, engine in engines.items():
+            sizes = {n: t.numel() * t.element_size() for n, t in model_tensors(engine.model).items()}
+            row[f"{w}_resident_bytes"] = sum(sizes.values())
+            row[f"{w}_layers_resident_bytes"] = sum(v for n, v in sizes.items() if n.startswith("layers."))
+        for name, case in {**{f"single_{n}": [int(n)] for n in args.lengths.split(",")},
+                           "mixed_batch": [64, 200, 512, 700, 1024, 1500, 2048]}.items():
+            batch = random_prompts(case, engines[modes[0]].model.config.vocab_size, seed=len(name))
+            tokens = sum(len(ids) - 1 for ids in batch)
+            outs = {w: e.score_tokens(batch) for w, e in engines.items()}  # warm-up, and the parity check
+            times = {f"{w}{part}": float("inf") for w in modes for part in ("", "_layers")}
+            for _ in range(args.repeats):  # interleaved, so machine noise hits both modes alike
+                for w, e in engines.items():
+                    times[w] = min(times[w], best_of(lambda: e.score(batch), 1))
+                    times[w + "_layers"] = min(times[w + "_layers"], best_of(lambda: ours_layers(e, batch), 1))
+            row[name] = {"tokens": tokens, **{f"{k}_tok_s": round(tokens / t, 1) for k, t in times.items()},
+                         "max_abs_logprob_diff": float(max(np.abs(a - b).max() for a, b in
+                                                           zip(outs[modes[0]], outs[modes[-1]])))}
+        result["models"][model_name] = row
+        del engines
+    return result
+
+
 def main(argv):
     parser = argparse.ArgumentParser(prog="python -m dsv4batch.bench forward")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--models", default="tiny,dsv4-shape")
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--weights", help="e.g. 'stored,compute': instead of the transformers comparison, "
+                        "time these load modes of a native FP8/FP4 checkpoint of each model")
     args = parser.parse_args(argv)
     from dsv4batch.model import EngineConfig
 
     config = EngineConfig(max_num_batched_tokens=4096, max_model_len=16384)
+    if args.weights:
+        emit(weights_bench(args, config), args.json)
+        return
     result = {"bench": "forward", "threads": torch.get_num_threads(), "models": {}}
     for model_name in args.models.split(","):
         ours, hf = build_pair(model_name, config)

@@ -61,8 +61,15 @@ WORDS = ("the of and to in is was for on that with as by at from his it an were 
 class ZeroEngine:
     """Stands in for the `Engine` in the `stream` run: every scored token gets log p = 0."""
 
-    def score(self, requests):
-        return [np.zeros(len(r) - 1, np.float32) for r in requests], StepStats(model_calls=1)
+    def score_details(self, requests, top_k: int = 0):
+        """`Engine.score_details`' shapes: log p = 0, never the argmax, top-K of zeros."""
+        from dsv4batch.model import TokenScores
+
+        def zeros(n):
+            return TokenScores(np.zeros(n, np.float32), np.zeros(n, bool),
+                               np.zeros((n, top_k), np.int32), np.zeros((n, top_k), np.float32))
+
+        return [zeros(len(r) - 1) for r in requests], StepStats(model_calls=1)
 
 
 class ZeroScorer(ScoringActor):

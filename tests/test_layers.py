@@ -1,4 +1,5 @@
-"""The layering, read from the imports: jobs -> pipeline -> (stages ->) model -> planner/kernels.
+"""The layering, read from the imports: jobs -> (eval ->) pipeline -> (stages ->) model ->
+planner/kernels.
 
 Every `import` and `from ... import` in the package (lazy ones inside functions included) is
 read with `ast`; an import that runs against the flow fails with the file and the name.
@@ -19,7 +20,9 @@ ALLOWED = {
     "pipeline/stages": {"model", "planner", "kernels", "pipeline/config", "pipeline/schema",
                         "pipeline/errors", "pipeline/faults", "pipeline/stats"},
     "pipeline": {"model", "planner", "kernels", "pipeline/stages"},
-    "jobs": {"pipeline", "pipeline/stages", "model", "planner", "kernels"},
+    # the lm-eval backend: a client of the pipeline (and its scoring stage) and the model
+    "eval": {"pipeline", "pipeline/stages", "model", "planner", "kernels"},
+    "jobs": {"eval", "pipeline", "pipeline/stages", "model", "planner", "kernels"},
 }
 
 

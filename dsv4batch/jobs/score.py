@@ -25,9 +25,18 @@ def _terminate(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     from dsv4batch.jobs.cli import parse_config
+    from dsv4batch.jobs.report import trace_file
     from dsv4batch.pipeline.errors import JobFailed, UsageError, one_line
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # `dsv4batch plan ...`: the capacity plan, no Ray, no scoring
+        from dsv4batch.jobs.plan import main as plan_main
+
+        return plan_main(argv[1:])
+    if argv[:1] == ["eval"]:  # `dsv4batch eval ...`: lm-eval tasks on the engine
+        from dsv4batch.jobs.eval import main as eval_main
+
+        return eval_main(argv[1:])
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -50,24 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsv4batch: failed: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - the CLI reports every failure the same way
-        print(f"dsv4batch: failed: {one_line(exc)} (full trace: {_trace_file(exc)})",
+        print(f"dsv4batch: failed: {one_line(exc)} (full trace: {trace_file(exc)})",
               file=sys.stderr)
         return 1
     return 0
-
-
-def _trace_file(exc: BaseException) -> str:
-    """Write `exc`'s whole traceback to a log file; its path."""
-    import os
-    import tempfile
-    import time
-    import traceback
-
-    path = os.path.join(tempfile.gettempdir(),
-                        f"dsv4batch-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
-    with open(path, "w") as f:
-        f.write("".join(traceback.format_exception(exc)))
-    return path
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ torch; the environment variable ``DSV4BATCH_ATTN_BACKEND`` (``auto``/``torch``/`
 replaces ``"auto"`` when set.  ``"torch"`` / ``"flashmla"`` force a backend; forcing FlashMLA
 where it cannot run raises ``RuntimeError`` with the reason.
 
+The package's other entry point, :func:`quant_linear` (``quant_matmul.py``), multiplies by a
+weight kept as the checkpoint stores it (FP8 block-scaled or FP4 e2m1); its contract is in
+``quant_matmul.py``.
+
 Tensors (no batch dim: concatenate tokens and offset indices into one concatenated kv):
 
 ========== ====================== ============================================================
@@ -45,9 +49,10 @@ from typing import Optional
 import torch
 
 from . import flashmla as _flashmla
+from .quant_matmul import quant_backends, quant_linear
 from .reference import check_shapes, sparse_mla_prefill_torch
 
-__all__ = ["sparse_mla_prefill", "available_backends", "ENV_BACKEND"]
+__all__ = ["sparse_mla_prefill", "available_backends", "ENV_BACKEND", "quant_linear", "quant_backends"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
 _BACKENDS = ("auto", "torch", "flashmla")

@@ -1,7 +1,7 @@
 """DeepSeek-V4 scoring: `Engine` (validate, schedule, score), `DSv4Model` (the computation).
 
 Layout: `config` (EngineConfig, TINY, config.json), `loader` (every checkpoint rule),
-`tokenizer`, `engine`, `model` (+ `layers`, `attention`, `compressor`), `step` and `layout`
+`tokenizer`, `engine`, `head` (the vocabulary head's details), `model` (+ `layers`, `attention`, `compressor`), `step` and `layout`
 (one packed prefill step), `stats`, `quant`, `tiny`. `Engine` and `DSv4Model` import torch
 lazily: `import dsv4batch.model` stays torch-free.
 """
@@ -19,7 +19,12 @@ def __getattr__(name):
         from .model import DSv4Model
 
         return DSv4Model
+    if name == "TokenScores":
+        from .head import TokenScores
+
+        return TokenScores
     raise AttributeError(name)
 
 
-__all__ = ["DSv4Model", "Engine", "EngineConfig", "ModelLoadError", "StepStats", "TINY"]
+__all__ = ["DSv4Model", "Engine", "EngineConfig", "ModelLoadError", "StepStats", "TINY",
+           "TokenScores"]

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..kernels import sparse_mla_prefill
 from .compressor import Compressor, Indexer
-from .layers import Linear, RMSNorm, Rope, grouped_linear, rms
+from .layers import Linear, RMSNorm, Rope, grouped_linear, inv_rms
 from .layout import combine
 
 
@@ -71,7 +71,8 @@ class Attention(nn.Module):
         cos, sin = ctx.rope_for(self.ratio)
         T = x.shape[0]
         q_res = self.q_norm(self.wq_a(x))
-        q = Rope.apply(rms(self.wq_b(q_res).view(T, self.num_heads, self.head_dim), self.eps), cos, sin)
+        q = self.wq_b(q_res).view(T, self.num_heads, self.head_dim)
+        q = Rope.apply(q.mul_(inv_rms(q, self.eps).to(q.dtype)), cos, sin)  # in place: q is fresh
         kv = Rope.apply(self.norm(self.wkv(x)), cos, sin)
 
         parts = [cache_in.get("entries"), None, cache_in.get("window"), kv, kv.new_zeros(1, self.head_dim)]
@@ -89,18 +90,22 @@ class Attention(nn.Module):
         table = torch.cat([p for p in parts if p is not None])
         ctx.carry_entries(cache_out, table, lay, idx_table)
 
-        out = torch.empty(T, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        single = len(lay.chunks) == 1  # then the kernel's output is the layer's: no [T, heads, dim] copy
+        out = None if single else torch.empty(T, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         scale = self.head_dim ** -0.5
         for ci, chunk in enumerate(lay.chunks):
             ws = ctx.pool.take(chunk.e - chunk.s, chunk.M, self.head_dim, table.dtype, table.device)
             torch.index_select(table, 0, chunk.ws_index, out=ws.view(-1, self.head_dim))
             if self.indexer is not None:
-                indices, lens = self.sparse_indices(chunk, lay, idx_table, iq, iw, positions)
+                indices, lens = self.sparse_indices(chunk, lay, idx_table, iq, iw)
             else:
                 indices, lens = lay.static_indices(ci, chunk)
             o, _, _ = sparse_mla_prefill(q[chunk.q0:chunk.q1], ws.view(-1, 1, self.head_dim), indices.unsqueeze(1),
                                          scale, attn_sink=self.attn_sink, topk_length=lens, backend=backend)
-            out[chunk.q0:chunk.q1] = o
+            if single:
+                out = o
+            else:
+                out[chunk.q0:chunk.q1] = o
             ctx.count_chunk(ws)
         # K = V carried RoPE: undo it on the output's rope slice at the query position.
         out = Rope.apply(out, cos, -sin)
@@ -108,22 +113,24 @@ class Attention(nn.Module):
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
         return self.wo_b(grouped_linear(grouped, w).flatten(1))
 
-    def sparse_indices(self, chunk, lay, idx_table, iq, iw, positions):
-        """CSA combined indices for one chunk: each request's indexer top-k, then its window.
+    def sparse_indices(self, chunk, lay, idx_table, iq, iw):
+        """CSA combined indices for one chunk: each query's indexer top-k, then its window.
 
         chunk: `ChunkLayout` of requests [s, e), queries [q0, q1) (s_q = q1 - q0 rows);
         lay: the step's ratio-4 `RatioLayout`; idx_table [lay.entries_end, index_head_dim]: indexer
-        keys, rows aligned with the table's entry rows (`lay.entry_rows`); iq [T, index_n_heads,
-        index_head_dim] fp32 and iw [T, index_n_heads] fp32 from `Indexer.queries`; positions [T] int64.
+        keys, rows aligned with the table's entry rows; iq [T, index_n_heads, index_head_dim] fp32
+        and iw [T, index_n_heads] fp32 from `Indexer.queries`.
         Returns indices [s_q, K + window] int32 into the flattened workspace [(e - s) * M] (valid
         slots first, -1 padded), K = min(index_topk, max(N, 1)), and topk_length [s_q] int32.
         """
         width = min(self.indexer.topk, max(chunk.N, 1))
-        picks = []
-        for b in range(chunk.s, chunk.e):
-            q0, q1 = int(lay.cu[b]), int(lay.cu[b + 1])
-            keys = idx_table[torch.from_numpy(lay.entry_rows(b)).to(idx_table.device)]
-            picks.append(self.indexer.topk_for(iq[q0:q1], iw[q0:q1], keys, positions[q0:q1], width))
-        comp = torch.cat(picks)
+        keys = idx_table.index_select(0, chunk.key_index).float()  # the chunk's keys, request by request
+        blocks = chunk.query_slices(INDEXER_BLOCK_ELEMS // self.indexer.num_heads)
+        comp = self.indexer.select(iq[chunk.q0:chunk.q1], iw[chunk.q0:chunk.q1], keys, chunk.key_lo,
+                                   chunk.comp_len, blocks, width)
         comp_len = chunk.comp_len.clamp(max=self.indexer.topk)
         return combine(comp, comp_len, chunk.row_base, chunk.win_base, chunk.win_len, self.window)
+
+
+# fp32 indexer scores [queries, heads, keys] per block: 4 MiB, cache-sized, whatever the context
+INDEXER_BLOCK_ELEMS = 1 << 20

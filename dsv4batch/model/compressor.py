@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import Linear, RMSNorm, Rope, pad_rows
+from .layers import MIN_ROWS, Linear, RMSNorm, Rope, pad_rows
 
 
 class Compressor(nn.Module):
@@ -40,14 +40,13 @@ class Compressor(nn.Module):
         src_gate = torch.cat([carried[1], gate, pad_gate]) if carried is not None else torch.cat([gate, pad_gate])
         if lay.cur.shape[0] == 0:
             return kv.new_zeros(0, self.dim), src_kv, src_gate
-        d = self.dim
-        if self.overlap:
-            win_kv = torch.cat([src_kv[lay.prev][..., :d], src_kv[lay.cur][..., d:]], dim=1)
-            win_gate = torch.cat([src_gate[lay.prev][..., :d], src_gate[lay.cur][..., d:]], dim=1)
-        else:
-            win_kv, win_gate = src_kv[lay.cur], src_gate[lay.cur]
+        d, n = self.dim, lay.slots.shape[0]
+        # every slot of every window in one gather: overlapping windows read the halves they use
+        # (src rows viewed as [2 * rows, d]) instead of gathering whole rows, slicing and concatenating
+        win_kv = src_kv.view(-1, d).index_select(0, lay.slots.view(-1)).view(n, -1, d)
+        win_gate = src_gate.view(-1, d).index_select(0, lay.slots.view(-1)).view(n, -1, d)
         weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
-        entries = self.norm((win_kv * weights).sum(dim=1))
+        entries = self.norm(win_kv.mul_(weights).sum(dim=1))
         cos, sin = rope.cos_sin(lay.positions)
         return Rope.apply(entries, cos, sin), src_kv, src_gate
 
@@ -59,7 +58,7 @@ class Indexer(nn.Module):
     `compressor.*` (ratio-4 compressor at dim_i).
     """
 
-    def __init__(self, config, max_query_slice: int = 1024):
+    def __init__(self, config):
         super().__init__()
         self.num_heads, self.dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
         self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.dim)
@@ -67,33 +66,57 @@ class Indexer(nn.Module):
         ratio = config.compress_rates["compressed_sparse_attention"]
         self.compressor = Compressor(config.hidden_size, self.dim, ratio, config.rms_norm_eps)
         self.ratio = ratio
-        self.max_query_slice = max_query_slice
 
     def queries(self, x, q_res, cos, sin):
         """-> q [T, heads_i, dim_i] fp32 (RoPE'd) and head weights [T, heads_i] fp32 (* heads_i ** -0.5)."""
         q = Rope.apply(self.wq_b(q_res).view(x.shape[0], self.num_heads, self.dim), cos, sin).float()
         return q, self.weights_proj(x).float() * self.num_heads ** -0.5
 
-    def topk_for(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, width: int):
-        """One request's queries q [s, h, d], w [s, h] vs its entries keys [E, d] -> [s, width] int64.
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_lo: torch.Tensor,
+               visible: torch.Tensor, blocks, width: int) -> torch.Tensor:
+        """One chunk's queries vs its keys -> [s, width] int64 request-local entry ids.
 
-        Valid picks first (sorted by score); a query at position p sees entries e < (p+1) // r and
-        gets min(topk, (p+1) // r) valid picks; later slots are garbage, masked by topk_length.
-        Exact score ties are broken by torch.topk (as in transformers).
+        q [s, h, d] and w [s, h] fp32: the chunk's queries; keys [E, d] fp32: the chunk's entries,
+        request after request; key_lo [s]: where a query's request starts in `keys`; visible [s]:
+        entries it sees ((p + 1) // r, its request's first ones); blocks [(a, b, k_lo, k_hi)]:
+        query rows [a, b) whose requests' keys are keys[k_lo:k_hi] (`ChunkLayout.query_slices`).
+        Per block: one GEMM over the block's keys, a mask keeping each query's visible keys of its
+        own request, one top-k. Valid picks first (sorted by score), min(topk, visible) of them;
+        later slots are garbage, masked by topk_length. Exact ties go to the lower entry id.
+
+        Batch invariance: a block's key count depends on its block-mates, so every step here must
+        give a query the same bits whatever that count: GEMMs on >= MIN_ROWS rows and columns
+        (BLAS rounds a dot product the same way then), the head sum as elementwise multiply-adds
+        (reductions and [1, h] x [h, E] products change strategy with E), and a top-k over keys
+        without ties (`tie_free_keys`: torch.topk breaks ties by an order that depends on the width).
         """
-        s, num_entries = q.shape[0], keys.shape[0]
-        out = torch.zeros(s, width, dtype=torch.long, device=q.device)
-        k = min(self.topk, num_entries, width)
-        if k == 0:
-            return out
-        keys_t = keys.float().t()
-        ent = torch.arange(num_entries, device=q.device)
-        for a in range(0, s, self.max_query_slice):
-            b = min(a + self.max_query_slice, s)
-            scores = torch.matmul(pad_rows(q[a:b]), keys_t)[: b - a].relu_()            # [s, h, E]
-            # sum_h w[t, h] * relu(.) as one batched [1, h] x [h, E] product: one pass over scores
-            scores = torch.bmm((w[a:b] * self.dim ** -0.5).unsqueeze(1), scores).squeeze(1)
-            visible = (positions[a:b] + 1) // self.ratio
-            scores.masked_fill_(ent[None, :] >= visible[:, None], float("-inf"))
-            out[a:b, :k] = scores.topk(k, dim=-1).indices
+        out = torch.zeros(q.shape[0], width, dtype=torch.long, device=q.device)
+        keys_t = torch.cat([keys, keys.new_zeros(MIN_ROWS, keys.shape[1])]).t()
+        w = w * self.dim ** -0.5
+        for a, b, k_lo, k_hi in blocks:
+            k = min(width, k_hi - k_lo)
+            if k == 0:
+                continue
+            n, cols = b - a, max(k_hi - k_lo, MIN_ROWS)  # columns past k_hi are masked below
+            per_head = torch.matmul(pad_rows(q[a:b]).transpose(0, 1), keys_t[:, k_lo:k_lo + cols])
+            per_head = per_head[:, :n].relu_()                                        # [h, n, E]
+            scores = per_head[0] * w[a:b, :1]
+            for head in range(1, per_head.shape[0]):
+                scores.addcmul_(per_head[head], w[a:b, head:head + 1])
+            lo = key_lo[a:b, None] - k_lo  # the query's request's first key, block-local
+            col = torch.arange(cols, device=q.device)
+            scores.masked_fill_((col < lo) | (col >= lo + visible[a:b, None]), float("-inf"))
+            out[a:b, :k] = (tie_free_keys(scores).topk(k, dim=-1).indices - lo).clamp_(min=0)
         return out
+
+
+def tie_free_keys(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 scores [n, E] -> int64 keys [n, E] in the same order, ties broken by lower column.
+
+    The float's bits as int32 (negative values mirrored so that integer order = float order;
+    + 0.0 folds -0.0 into +0.0), times 2**32, minus the column: unique, so torch.topk's result
+    does not depend on E or on where equal scores sit.
+    """
+    bits = (scores + 0.0).view(torch.int32)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    return bits * (1 << 32) - torch.arange(scores.shape[1], device=scores.device)

@@ -15,6 +15,7 @@ import torch
 
 from .attention import WorkspacePool
 from .config import EngineConfig
+from .head import TokenScores, sliced_details
 from .loader import load_model
 from .model import DSv4Model
 from .stats import StepStats
@@ -35,9 +36,12 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device="cpu", dtype=torch.float32,
-                        config: EngineConfig | None = None) -> "Engine":
-        """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json) or `TINY`."""
-        model = load_model(path_or_name, device=device, dtype=dtype)
+                        config: EngineConfig | None = None, weights: str = "stored") -> "Engine":
+        """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json) or `TINY`.
+
+        weights: "stored" keeps FP8/FP4 checkpoint weights quantized, "compute" dequantizes them
+        into `dtype` at load (see `loader.load_model`)."""
+        model = load_model(path_or_name, device=device, dtype=dtype, weights=weights)
         return cls(model, config, load_tokenizer(tokenizer_source(path_or_name)))
 
     @property
@@ -81,19 +85,43 @@ class Engine:
                 yield step
                 step, used = [], 0
 
-    @torch.inference_mode()
     def score(self, batch: Sequence[Sequence[int]]) -> tuple[list[np.ndarray], StepStats]:
         """For each request of ids, float32 [len(ids) - 1]: element t-1 = log p(ids[t] | ids[:t]).
 
         Also returns what this call did (`StepStats`, model_calls=1). `ValueError` for a bad request.
         """
+        model, rows = self.model, self.config.logits_slice
+        outs, stats = self._run(batch, lambda h, t: (model.token_logprobs(h, t, rows),))
+        return [o[0] for o in outs], stats
+
+    def score_details(self, batch: Sequence[Sequence[int]], top_k: int = 0
+                      ) -> tuple[list[TokenScores], StepStats]:
+        """`score` plus, per position, whether the target is the argmax and the top-K tokens
+        (`head.TokenScores`); the logprobs are bit-identical to `score`'s."""
+        if not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
+        weight, rows = self.model.head.weight, self.config.logits_slice
+        outs, stats = self._run(batch, lambda h, t: sliced_details(h, weight, t, rows, top_k))
+        return [TokenScores(lp, greedy.astype(bool), ids.astype(np.int32), top)
+                for lp, greedy, ids, top in outs], stats
+
+    def _nothing(self, head) -> list[np.ndarray]:
+        """`head`'s outputs for zero positions (their dtypes and trailing shapes)."""
+        hidden = torch.zeros(0, self.model.config.hidden_size, device=self.device)
+        return [p.cpu().numpy() for p in head(hidden, torch.zeros(0, dtype=torch.long,
+                                                                  device=self.device))]
+
+    @torch.inference_mode()
+    def _run(self, batch, head) -> tuple[list[tuple], StepStats]:
+        """The step loop; `head(hidden [n, hidden], targets [n])` -> tensors with n rows first,
+        returned per request as numpy arrays of its positions."""
         arrays = self.validate(batch)
         stats = StepStats(model_calls=1)
         t0 = time.perf_counter()
         order = np.argsort([len(a) for a in arrays], kind="stable") if self.config.sort_by_length \
             else np.arange(len(arrays))
         states = [RequestState(arrays[i]) for i in order]
-        outputs = {id(st): np.zeros(len(st.ids) - 1, np.float32) for st in states}
+        outputs = {id(st): [] for st in states}
         self.pool.peak_bytes = 0
         model, device = self.model, self.device
         for segs in self.schedule(states):
@@ -101,14 +129,15 @@ class Engine:
                               ropes=model.ropes, pool=self.pool, stats=stats, device=device)
             hidden = model.hidden_step(ctx, self.config.attn_backend)
             targets = torch.from_numpy(np.concatenate([st.ids[s + 1:e + 1] for st, s, e in segs])).to(device)
-            logprobs = model.token_logprobs(hidden, targets, self.config.logits_slice).cpu().numpy()
-            for b, (st, s, e) in enumerate(segs):
-                outputs[id(st)][s:e] = logprobs[ctx.cu[b]:ctx.cu[b + 1]]
+            parts = [p.cpu().numpy() for p in head(hidden, targets)]
+            for b, (st, s, e) in enumerate(segs):  # a request's steps come in position order
+                outputs[id(st)].append([p[ctx.cu[b]:ctx.cu[b + 1]] for p in parts])
                 if e == len(st.ids) - 1:
                     st.layers = {}  # finished: drop carried tensors now
         result = [None] * len(arrays)
         for st, i in zip(states, order):
-            result[i] = outputs[id(st)]
+            pieces = outputs[id(st)] or [self._nothing(head)]  # a lone bos: no position
+            result[i] = tuple(np.concatenate(cols) for cols in zip(*pieces))
         stats.forward_s = time.perf_counter() - t0
         stats.peak_workspace_bytes = self.pool.peak_bytes
         return result, stats

@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import quant_linear
+from ..kernels.quant_reference import dequantize_into, stored_shapes
+
 
 # BLAS takes other code paths (GEMV, split-K) for a handful of rows, and their rounding differs:
 # a token's result would then depend on how many tokens share its step. Padding every GEMM to at
@@ -45,9 +48,73 @@ class Linear(nn.Linear):
         return linear(x, self.weight)
 
 
+class QuantLinear(nn.Module):
+    """A bias-free linear layer whose weight stays as the checkpoint stores it (`weights="stored"`).
+
+    Buffers (the checkpoint's bytes, see `dsv4batch.kernels.quant_linear` for the formats):
+    `qweight` [*lead, out, in] float8_e4m3fn (fmt "fp8") or [*lead, out, in / 2] int8/uint8
+    (fmt "fp4"); `scale` [*lead, ceil(out/128), ceil(in/128)] ("fp8") or [*lead, out, ceil(in/32)]
+    ("fp4") in the checkpoint's scale dtype (ue8m0 or fp32). `lead` is () for one projection and
+    (E,) for the routed experts' stacked projection (`experts=E`; call with `expert=e`).
+    `compute_dtype`: the dtype `weight` dequantizes to (the loader sets the model's dtype).
+    """
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, *, qdtype: torch.dtype | None = None,
+                 scale_dtype: torch.dtype = torch.float8_e8m0fnu, experts: int | None = None):
+        super().__init__()
+        qshape, sshape = stored_shapes(fmt, out_features, in_features)
+        lead = () if experts is None else (experts,)
+        qdtype = qdtype or (torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
+        self.register_buffer("qweight", torch.empty(lead + qshape, dtype=qdtype))
+        self.register_buffer("scale", torch.empty(lead + sshape, dtype=scale_dtype))
+        self.in_features, self.out_features, self.fmt, self.experts = in_features, out_features, fmt, experts
+        self.compute_dtype = torch.float32
+        self.backend = "auto"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dense weight's shape: (out, in), or (E, out, in) for stacked experts."""
+        return (() if self.experts is None else (self.experts,)) + (self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
+        """x [n, in] -> [n, out] in x.dtype (expert `expert`'s projection when stacked), on >= MIN_ROWS rows."""
+        q, s = (self.qweight, self.scale) if expert is None else (self.qweight[expert], self.scale[expert])
+        return quant_linear(pad_rows(x), q, s, self.fmt, backend=self.backend)[: x.shape[0]]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight `shape` in `compute_dtype`, dequantized now (for callers that need the
+        matrix itself, e.g. attention's grouped `wo_a`); nothing is kept."""
+        out = torch.empty(self.shape, dtype=self.compute_dtype, device=self.qweight.device)
+        if self.experts is None:
+            return dequantize_into(out, self.qweight, self.scale, self.fmt)
+        for e in range(self.experts):
+            dequantize_into(out[e], self.qweight[e], self.scale[e], self.fmt)
+        return out
+
+    def extra_repr(self) -> str:
+        lead = "" if self.experts is None else f"experts={self.experts}, "
+        return f"{lead}in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+def expert_linear(weight, x: torch.Tensor, expert: int) -> torch.Tensor:
+    """x [n, in] -> [n, out] through expert `expert` of a stacked [E, out, in] parameter or QuantLinear."""
+    if isinstance(weight, QuantLinear):
+        return weight(x, expert)
+    return linear(x, weight[expert])
+
+
+def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x^2) + eps) over the last dim, fp32 [..., 1]: one read of x (vector_norm
+    reduces in place; square().mean() writes and re-reads an x-sized temporary, and on this
+    memory-bound CPU every pass over a [T, heads, 512] tensor costs as much as a small GEMM)."""
+    norm = torch.linalg.vector_norm(x.float(), dim=-1, keepdim=True)
+    return norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+
+
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMSNorm over the last dim, computed in fp32, returned in x's dtype."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * inv_rms(x, eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -59,9 +126,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+        h = x.float() * inv_rms(x, self.eps)
+        return h.mul_(self.weight).to(x.dtype)
 
 
 class Rope:
@@ -83,42 +149,97 @@ class Rope:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [n, ..., d]; cos/sin [n, rd] broadcast over middle dims. Rotates x[..., -rd:]."""
+        """x [n, ..., d]; cos/sin [n, rd] broadcast over middle dims. Rotates x[..., -rd:] in place
+        and returns x (every caller passes a fresh tensor: no copy of the d - rd untouched dims)."""
         rd = cos.shape[-1]
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rd,)
         cos, sin = cos.view(shape), sin.view(shape)
         rope = x[..., -rd:].float()
         rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-        out = (rope * cos + rotated * sin).to(x.dtype)
-        return torch.cat([x[..., :-rd], out], dim=-1)
+        x[..., -rd:] = rope * cos + rotated * sin
+        return x
+
+
+def sum_of(parts) -> torch.Tensor:
+    """Elementwise sum of same-shape tensors, left to right.
+
+    Used instead of `.sum(dim)` over the small mHC / top-k dims: torch picks a reduction strategy
+    (vector lanes, accumulator tree, thread split) from the whole tensor's shape, so a token's
+    sum could round differently with another number of tokens in the step. Adding slices one by
+    one gives every element the same operations whatever T is (batch invariance)."""
+    parts = list(parts)
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out.add_(p)
+    return out
+
+
+# torch's CPU sigmoid / silu / softplus round a tensor's last (len % vector width) elements on a
+# scalar path that differs from the vector one by an ulp, so a token's value would depend on where
+# it sits in the step. exp / log1p / division round the same on both paths: build from those.
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), the same bits for an element wherever it sits (see above)."""
+    return torch.exp(-x).add_(1).reciprocal_()
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)), x itself above 20 (F.softplus's threshold); position-independent bits."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """linear(rms(flat x), fn) as linear(flat x, fn) * inv_rms(flat x): x [T, hc, H], fn [m, hc*H]
+    -> [T, m] fp32. Scaling the m outputs instead of the hc*H inputs saves a [T, hc*H] pass."""
+    flat = x.flatten(1).float()
+    return linear(flat, fn.float()).mul_(inv_rms(flat, norm_eps))
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
            iters: int, eps: float, norm_eps: float):
     """Manifold-constrained hyper-connection weights.
 
-    x: [T, hc, H] streams -> (post [T, hc] fp32, comb [T, hc, hc] fp32 Sinkhorn-normalised,
-    collapsed [T, H] in x's dtype).
+    x: [T, hc, H] streams -> (post [T, hc] fp32, comb [hc, hc, T] fp32 Sinkhorn-normalised
+    (comb[i, j, t]: stream i's weight in new stream j; tokens last), collapsed [T, H] in x's dtype).
     """
-    flat = rms(x.flatten(1).float(), norm_eps)
-    mixes = linear(flat, fn.float())
+    mixes = hc_mixes(x, fn, norm_eps)
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    pre = sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * sigmoid(post_w * scale[1] + post_b)
+    # Tokens last ([i, j, T]): every row/column sum is `sum_of` hc slices of [hc, T], elementwise
+    # ops vectorised along T, the same arithmetic for a token whatever T (see `sum_of`).
+    logits = (comb_w * scale[2] + comb_b).t().reshape(hc, hc, -1)
+    peak = logits[:, 0].clone()
+    for j in range(1, hc):
+        peak = torch.maximum(peak, logits[:, j])
+    comb = (logits - peak.unsqueeze(1)).exp_()
+    comb.div_(sum_of(comb.unbind(1)).unsqueeze(1)).add_(eps)  # softmax over j, + eps
+    comb.div_(sum_of(comb.unbind(0)).add_(eps))
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-    return post, comb, collapsed
+        comb.div_(sum_of(comb.unbind(1)).add_(eps).unsqueeze(1))
+        comb.div_(sum_of(comb.unbind(0)).add_(eps))
+    return post, comb, hc_collapse(pre, x)
+
+
+def hc_collapse(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum_i weights[:, i] * x[:, i]: weights [T, hc] fp32, x [T, hc, H] -> [T, H] in x's dtype."""
+    out = weights[:, 0:1] * x[:, 0]
+    for i in range(1, x.shape[1]):
+        out.addcmul_(weights[:, i:i + 1], x[:, i])
+    return out.to(x.dtype)
 
 
 def hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New streams [T, hc, H]: stream j = post_j * out + sum_i comb[i, j] * x_i."""
+    """New streams [T, hc, H]: stream j = post_j * out + sum_i comb[i, j] * x_i.
+
+    x [T, hc, H], out [T, H], post [T, hc], comb [hc, hc, T] (`hc_pre`'s layout). One fused
+    multiply-add per source stream over [T, hc, H] instead of T tiny [hc, hc] x [hc, H] matmuls.
+    """
     dtype = x.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+    new = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
+    for i in range(x.shape[1]):
+        new.addcmul_(comb[i].t().to(dtype).unsqueeze(-1), x[:, i:i + 1])
+    return new
 
 
 class Gate(nn.Module):
@@ -138,18 +259,19 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
         """x [T, H], input_ids [T] -> (weights [T, k], expert indices [T, k])."""
-        scores = F.softplus(linear(x, self.weight)).sqrt()
+        scores = softplus(linear(x, self.weight)).sqrt()
         if self.is_hash:
             indices = self.tid2eid[input_ids].long()
         else:
             indices = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, indices)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (sum_of(weights.unbind(-1)).unsqueeze(-1) + 1e-20)
         return weights * self.scaling, indices
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    gate = gate.clamp(max=limit)
+    return gate * sigmoid(gate) * up.clamp(min=-limit, max=limit)  # silu(gate) * up, see `sigmoid`
 
 
 class Expert(nn.Module):
@@ -169,12 +291,14 @@ class Expert(nn.Module):
 class Experts(nn.Module):
     """Routed experts stacked per projection: w1, w3 [E, I, H]; w2 [E, H, I].
 
-    The checkpoint's `experts.{e}.w1.weight` is row e of `w1` (the loader stacks them).
+    The checkpoint's `experts.{e}.w1.weight` is row e of `w1` (the loader stacks them). With
+    `weights="stored"` the loader replaces a quantized projection by a stacked `QuantLinear`.
     Tokens are grouped by expert (one sort), so the loop runs over experts, not tokens.
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int, limit: float):
         super().__init__()
+        self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.w3 = nn.Parameter(torch.empty(num_experts, inter, hidden))
@@ -185,7 +309,7 @@ class Experts(nn.Module):
         k = indices.shape[1]
         flat = indices.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // k
         xs = x[token_of]
         ws = weights.flatten()[order].unsqueeze(-1)
@@ -194,8 +318,8 @@ class Experts(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 seg = xs[start:start + n]
-                h = swiglu(linear(seg, self.w1[e]), linear(seg, self.w3[e]), self.limit)
-                out[start:start + n] = linear(h, self.w2[e]) * ws[start:start + n].to(x.dtype)
+                h = swiglu(expert_linear(self.w1, seg, e), expert_linear(self.w3, seg, e), self.limit)
+                out[start:start + n] = expert_linear(self.w2, h, e) * ws[start:start + n].to(x.dtype)
             start += n
         return torch.zeros_like(x).index_add_(0, token_of, out)
 

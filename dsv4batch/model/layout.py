@@ -9,7 +9,9 @@ is a row of one flat *table* per layer:
 with E_b = start_b // r entries already compressed, n_b = end_b // r - E_b new ones, prior_b =
 min(start_b, W - 1) raw rows kept from earlier steps. Every layer of one type shares these counts,
 so the gather indices below (workspace rows, combined attention indices for SWA/HCA, compressor
-windows) are computed once per type and reused by all its layers. Pure numpy until `to_torch`.
+windows, indexer key ranges) are computed once per type and reused by all its layers. Pure numpy
+until `to_torch`, and vectorised over requests (`ranges`): a step of many short requests costs a
+few numpy calls per layout, not a Python loop per request.
 """
 
 from __future__ import annotations
@@ -18,47 +20,75 @@ import numpy as np
 import torch
 
 
+def ranges(starts, lengths) -> np.ndarray:
+    """Concatenated aranges: [starts[0], starts[0] + lengths[0]) ++ [starts[1], ...) as int64."""
+    starts, lengths = np.asarray(starts, np.int64).reshape(-1), np.asarray(lengths, np.int64).reshape(-1)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def interleave(a, b) -> np.ndarray:
+    """[a0, b0, a1, b1, ...]: per-request (first part, second part) pairs for `ranges`."""
+    return np.stack([np.atleast_1d(a).astype(np.int64), np.atleast_1d(b).astype(np.int64)], 1).reshape(-1)
+
+
 class CompressorLayout:
     """Windows closed in this step for a ratio-r compressor (with 2r-token overlap if `overlap`).
 
     Source rows: src = [carried block of each segment (prev window r rows if overlap, then pending
-    start_b % r rows) | step rows T | pad]. cur [n, r] / prev [n, r] index src (pad = -inf gate).
+    start_b % r rows) | step rows T | pad]. cur [n, r] / prev [n, r] index src (pad = -inf gate);
+    slots [n, coff * r] the same as one gather (see below).
     positions [n]: absolute position k * r of each new entry (its RoPE position).
+    `keep_rows(b)`: the src rows request b carries to its next step.
     """
 
     def __init__(self, starts, ends, cu, r: int, overlap: bool):
-        num = len(starts)
+        self.r, self.overlap = r, overlap
         self.pend = starts % r
         self.has_prev = (starts // r >= 1) & overlap
         self.carry_len = self.pend + np.where(self.has_prev, r, 0)
-        carry_off = np.concatenate([[0], np.cumsum(self.carry_len)])
-        self.num_carried = int(carry_off[-1])
-        step_off = self.num_carried
-        self.pad = step_off + int(cu[-1])
-        cur, prev, pos, keep = [], [], [], []
-        for b in range(num):
-            prev_rows = np.arange(r) + carry_off[b] if self.has_prev[b] else np.full(r, self.pad)
-            rows = np.concatenate([carry_off[b] + np.where(self.has_prev[b], r, 0) + np.arange(self.pend[b]),
-                                   step_off + np.arange(cu[b], cu[b + 1])])
-            n = len(rows) // r
-            win = rows[: n * r].reshape(n, r)
-            cur.append(win)
-            prev.append(np.concatenate([prev_rows[None], win[:-1]])[:n] if overlap else win)
-            pos.append((starts[b] // r + np.arange(n)) * r)
-            # rows to carry if the request continues: last full window (overlap) then the tail
-            last = win[-1] if n else prev_rows
-            tail = rows[n * r:]
-            keep.append(np.concatenate([last, tail]) if overlap and (n or self.has_prev[b]) else tail)
-        self.cur = np.concatenate(cur).astype(np.int64) if num else np.zeros((0, r), np.int64)
-        self.prev = np.concatenate(prev).astype(np.int64) if num else np.zeros((0, r), np.int64)
-        self.positions = np.concatenate(pos).astype(np.int64) if num else np.zeros(0, np.int64)
+        self.carry_off = np.cumsum(self.carry_len) - self.carry_len
+        self.num_carried = int(self.carry_len.sum())
+        self.pad = self.num_carried + int(cu[-1])
+        # per request: its pending rows then its step rows, one segment of `seg_len` src rows
+        self.seg_len = self.pend + np.diff(cu)
+        self.seg_off = np.cumsum(self.seg_len) - self.seg_len
+        self.rows = ranges(interleave(self.carry_off + np.where(self.has_prev, r, 0), self.num_carried + cu[:-1]),
+                           interleave(self.pend, np.diff(cu)))
+        self.n = self.seg_len // r  # windows closed per request
+        self.cur = self.rows[ranges(self.seg_off, self.n * r)].reshape(-1, r)
+        self.prev = self.cur
+        if overlap:
+            first = np.cumsum(self.n) - self.n  # window index of each request's first new window
+            self.prev = np.concatenate([np.full((1, r), self.pad, np.int64), self.cur[:-1]])[:len(self.cur)]
+            has = self.n > 0
+            self.prev[first[has]] = self.prev_rows(np.flatnonzero(has))
+        self.positions = ranges(starts // r, self.n) * r
         self.num_new = (ends // r) - (starts // r)
-        self.keep = keep
+        # slots [n, coff * r]: rows of src viewed [2 * rows, dim] (overlap: the previous window's
+        # first halves, then this window's second halves) or of src itself: one gather per entry
+        self.slots = np.concatenate([self.prev * 2, self.cur * 2 + 1], 1) if overlap else self.cur
+
+    def prev_rows(self, bs) -> np.ndarray:
+        """[len(bs), r] src rows of each request's previous (carried) window, pad rows if none."""
+        bs = np.asarray(bs, np.int64)
+        rows = self.carry_off[bs, None] + np.arange(self.r)
+        return np.where(self.has_prev[bs, None], rows, self.pad)
+
+    def keep_rows(self, b: int) -> np.ndarray:
+        """src rows request b carries on: its last full window (overlap only, once one exists),
+        then the `seg_len % r` pending rows after it (int64)."""
+        seg = self.rows[self.seg_off[b]: self.seg_off[b] + self.seg_len[b]]
+        n = int(self.n[b])
+        keep = seg[n * self.r:]
+        if self.overlap and (n or self.has_prev[b]):
+            last = seg[(n - 1) * self.r: n * self.r] if n else self.prev_rows([b])[0]
+            keep = np.concatenate([last, keep])
+        return keep
 
     def to_torch(self, device):
-        for name in ("cur", "prev", "positions"):
-            setattr(self, name, torch.from_numpy(getattr(self, name)).to(device))
-        self.keep = [torch.from_numpy(k.astype(np.int64)).to(device) for k in self.keep]
+        for name in ("cur", "prev", "positions", "slots"):
+            setattr(self, name, torch.from_numpy(np.ascontiguousarray(getattr(self, name))).to(device))
         return self
 
 
@@ -67,29 +97,50 @@ class ChunkLayout:
 
     ws_index [(e-s)*M]: table row for every workspace row (pad -> zero row).
     row_base/win_base/win_len/comp_len [s_q]: pieces of the combined indices (see `combine`).
+    For the indexer (ratio 4): key_index [E_c] table rows of the chunk's entries, request after
+    request (E_c = sum of the chunk's compressed counts); key_lo [s_q] where the query's request
+    starts in it (its visible keys are key_lo + [0, comp_len)).
     """
 
     def __init__(self, lay: "RatioLayout", s: int, e: int, N: int, M: int):
         self.s, self.e, self.N, self.M = s, e, N, M
         self.q0, self.q1 = int(lay.cu[s]), int(lay.cu[e])
-        ws = np.full((e - s, M), lay.zero_row, np.int64)
-        row_base, win_base, win_len, comp_len = [], [], [], []
-        for i, b in enumerate(range(s, e)):
-            ws[i, : lay.compressed[b]] = lay.entry_rows(b)
-            g = lay.gather[b]
-            ws[i, N: N + g] = lay.window_rows(b)
-            p = np.arange(lay.starts[b], lay.ends[b])
-            wl = np.minimum(p + 1, lay.window)
-            row_base.append(np.full(len(p), i * M))
-            win_len.append(wl)
-            win_base.append(i * M + N + (p - wl + 1) - (lay.ends[b] - g))
-            comp_len.append((p + 1) // lay.r if lay.r > 1 else np.zeros(len(p), np.int64))
-        self.ws_index = ws.reshape(-1)
-        self.row_base, self.win_base = np.concatenate(row_base), np.concatenate(win_base)
-        self.win_len, self.comp_len = np.concatenate(win_len), np.concatenate(comp_len)
+        bs = np.arange(s, e)
+        base = (bs - s) * M
+        comp, gather, q_len = lay.compressed[bs], lay.gather[bs], np.diff(lay.cu[s:e + 1])
+        ws = np.full((e - s) * M, lay.zero_row, np.int64)
+        self.key_index = lay.entry_rows(bs)
+        ws[ranges(base, comp)] = self.key_index
+        ws[ranges(base + N, gather)] = lay.window_rows(bs)
+        p = ranges(lay.starts[bs], q_len)  # each query's absolute position
+        per_query = np.repeat(np.arange(e - s), q_len)
+        self.win_len = np.minimum(p + 1, lay.window)
+        self.row_base = base[per_query]
+        self.win_base = self.row_base + N + (p - self.win_len + 1) - (lay.ends[bs] - gather)[per_query]
+        self.comp_len = (p + 1) // lay.r if lay.r > 1 else np.zeros(len(p), np.int64)
+        key_end = np.cumsum(comp)
+        self.key_lo = (key_end - comp)[per_query]
+        self.key_bounds = (self.key_lo, key_end[per_query])  # numpy copies for `query_slices`
+        self.ws_index = ws
+        self.slices = {}
+
+    def query_slices(self, max_elems: int):
+        """Query blocks [(a, b, k_lo, k_hi)] (chunk-local) whose keys are [k_lo, k_hi) of key_index.
+
+        Blocks are contiguous queries of `rows` each, rows chosen so that rows * (the chunk's
+        largest key range) stays near `max_elems` (a cache-sized score block); k_hi is the end of
+        the last query's request, so short requests share one block and one GEMM.
+        """
+        if max_elems not in self.slices:
+            rows = int(np.clip(max_elems // max(self.N, 1), 16, 512))
+            lo, hi = self.key_bounds
+            n = len(lo)
+            self.slices[max_elems] = [(a, min(a + rows, n), int(lo[a]), int(hi[min(a + rows, n) - 1]))
+                                      for a in range(0, n, rows)]
+        return self.slices[max_elems]
 
     def to_torch(self, device):
-        for name in ("ws_index", "row_base", "win_base", "win_len", "comp_len"):
+        for name in ("ws_index", "row_base", "win_base", "win_len", "comp_len", "key_index", "key_lo"):
             setattr(self, name, torch.from_numpy(getattr(self, name).astype(np.int64)).to(device))
         return self
 
@@ -122,9 +173,9 @@ class RatioLayout:
         self.prior = np.minimum(starts, window - 1)
         self.gather = (ends - starts) + self.prior
         num_old, num_new = int(self.old.sum()), int((self.compressed - self.old).sum())
-        self.old_off = np.concatenate([[0], np.cumsum(self.old)])[:-1]
-        self.new_off = num_old + np.concatenate([[0], np.cumsum(self.compressed - self.old)])[:-1]
-        self.win_off = num_old + num_new + np.concatenate([[0], np.cumsum(self.prior)])[:-1]
+        self.old_off = np.cumsum(self.old) - self.old
+        self.new_off = num_old + np.cumsum(self.compressed - self.old) - (self.compressed - self.old)
+        self.win_off = num_old + num_new + np.cumsum(self.prior) - self.prior
         self.step_off = num_old + num_new + int(self.prior.sum())
         self.zero_row = self.step_off + int(cu[-1])
         self.entries_end = num_old + num_new
@@ -134,15 +185,18 @@ class RatioLayout:
         self.chunks = [ChunkLayout(self, *c).to_torch(device) for c in chunks]
         self.static = {}  # combined indices for SWA/HCA, filled lazily, shared by all layers
 
-    def entry_rows(self, b: int) -> np.ndarray:
-        """Table rows of request b's compressed entries 0 .. end_b // r - 1."""
-        return np.concatenate([self.old_off[b] + np.arange(self.old[b]),
-                               self.new_off[b] + np.arange(self.compressed[b] - self.old[b])])
+    def entry_rows(self, b) -> np.ndarray:
+        """Table rows of request b's compressed entries 0 .. end_b // r - 1 (b an int or an
+        array of requests: their rows concatenated in that order)."""
+        b = np.asarray(b)
+        return ranges(interleave(self.old_off[b], self.new_off[b]),
+                      interleave(self.old[b], self.compressed[b] - self.old[b]))
 
-    def window_rows(self, b: int) -> np.ndarray:
-        """Table rows of request b's raw tokens [end_b - gather_b, end_b)."""
-        return np.concatenate([self.win_off[b] + np.arange(self.prior[b]),
-                               self.step_off + np.arange(self.cu[b], self.cu[b + 1])])
+    def window_rows(self, b) -> np.ndarray:
+        """Table rows of request b's raw tokens [end_b - gather_b, end_b) (b an int or an array)."""
+        b = np.asarray(b)
+        return ranges(interleave(self.win_off[b], self.step_off + self.cu[:-1][b]),
+                      interleave(self.prior[b], self.cu[1:][b] - self.cu[:-1][b]))
 
     def static_indices(self, ci: int, chunk: ChunkLayout):
         """Combined indices of a SWA (r = 1) or HCA chunk: all visible entries, then the window."""

@@ -6,9 +6,15 @@ config.json and *.safetensors. Accepted tensor names: the native DeepSeek ones (
 `model.`, and the mixed form transformers' `save_pretrained` writes (`model.embed_tokens.weight`,
 `model.hc_head.hc_fn`, ...). `mtp.*` (multi-token prediction) tensors are ignored.
 
-One walk (`matched_tensors`) matches checkpoint names to model tensors for both `load_state`
-(reads values) and `check_checkpoint` (headers only, on a `meta` model), so the two cannot
-disagree. Every problem raises `ModelLoadError` naming the tensor.
+Quantized tensors (FP8 / FP4 with a `.scale`, `model/quant.py`) are held as stored with
+`weights="stored"` (a `QuantLinear` per projection) or dequantized into the model's dtype with
+`weights="compute"`. Files are read with `Shard`: the header is parsed and each tensor's bytes are
+read straight into the parameter that holds it (no mapping of the file, no second copy), so a
+load's peak memory is the model's bytes plus at most one tensor in flight.
+
+One walk (`matched_tensors`) matches checkpoint names to model tensors for `load_state` (reads
+values), `check_checkpoint` (headers only, on a `meta` model) and the capacity plan, so they
+cannot disagree. Every problem raises `ModelLoadError` naming the tensor.
 """
 
 from __future__ import annotations
@@ -17,30 +23,108 @@ import glob
 import json
 import os
 import re
+import struct
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
+from ..kernels.quant_reference import SCALE_DTYPES, stored_shapes
 from .config import TINY, ModelLoadError, load_config
+from .layers import Experts, Linear, QuantLinear
 from .model import DSv4Model, model_tensors
-from .quant import SCALE_SUFFIXES, dequantize, scale_name
+from .quant import (DENSE_ONLY, SCALE_SUFFIXES, StoredFormat, dequantize, detect_format, hold_stored, holder,
+                    nonfinite, quantize_state, scale_name)
 
 IGNORED = re.compile(r"^mtp\.")
 ALIASES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
            "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
-STACKED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$")  # the model's [E, ...] experts
+# the model's stacked [E, ...] experts: a parameter, or a QuantLinear's qweight / scale
+STACKED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123])(?:\.(qweight|scale))?$")
 KEEP_FP32 = re.compile(r"(norm|hc_|attn_sink|ape|gate\.bias)")  # DSv4 keeps these fp32 in any dtype
+WEIGHTS = ("stored", "compute")
+MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+          "F8_E8M0": torch.float8_e8m0fnu}
+
+
+class Shard:
+    """One safetensors file: its header (names, dtypes, shapes, byte ranges) parsed at once; a
+    tensor's bytes are read (pread) on demand, straight into the memory that will hold them."""
+
+    def __init__(self, path: str):
+        self.path, self.name, self._fd = path, os.path.basename(path), None
+        try:
+            with open(path, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                if size > MAX_HEADER:
+                    raise ValueError(f"a {size}-byte header (the format's limit is {MAX_HEADER})")
+                header = json.loads(fh.read(size))
+            header.pop("__metadata__", None)
+            self.data_start = 8 + size
+            self.entries = {n: (DTYPES[e["dtype"]], tuple(e["shape"]), *e["data_offsets"]) for n, e in header.items()}
+        except (OSError, struct.error, ValueError, KeyError, TypeError, MemoryError) as exc:
+            raise ModelLoadError(f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+        for name, (dtype, shape, begin, end) in self.entries.items():
+            if end - begin != torch.Size(shape).numel() * dtype.itemsize:
+                raise ModelLoadError(f"tensor {name!r} in {self.name}: {end - begin} bytes for {dtype} {shape}")
+
+    def keys(self) -> set[str]:
+        return set(self.entries)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entries[name][0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][1]
+
+    def nbytes(self, name: str) -> int:
+        return self.entries[name][3] - self.entries[name][2]
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Copy tensor `name` into `out` (same dtype, shape and contiguous) and return `out`."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        offset = self.data_start + self.entries[name][2]
+        view = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        while len(view):
+            got = os.preadv(self._fd, [view], offset)
+            if got == 0:
+                raise ModelLoadError(f"{self.name} is truncated: tensor {name!r} ends past the end of the file")
+            view, offset = view[got:], offset + got
+        return out
+
+    def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor `name` as a new tensor, or copied into `into` (same shape; any dtype, converted):
+        directly when `into` has the stored dtype and is contiguous, else through one temporary."""
+        dtype, shape = self.entries[name][:2]
+        if into is None:
+            return self.read_into(name, torch.empty(shape, dtype=dtype))
+        if into.dtype == dtype and into.is_contiguous():
+            return self.read_into(name, into)
+        with torch.no_grad():
+            return into.copy_(self.read_into(name, torch.empty(shape, dtype=dtype)))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def checkpoint_tensors(params: dict):
-    """(checkpoint name, tensor) per model tensor: stacked experts split into one per expert."""
+    """(checkpoint name, tensor) per model tensor: stacked experts split into one per expert, and a
+    `QuantLinear`'s `qweight` / `scale` under the native `weight` / `scale` names."""
     for name, p in params.items():
         m = STACKED.match(name)
         if m:
+            suffix = "scale" if m.group(3) == "scale" else "weight"
             for e in range(p.shape[0]):
-                yield f"{m.group(1)}.{e}.{m.group(2)}.weight", p[e]
+                yield f"{m.group(1)}.{e}.{m.group(2)}.{suffix}", p[e]
+        elif name.endswith(".qweight"):
+            yield name[: -len("qweight")] + "weight", p
         else:
             yield name, p
 
@@ -61,13 +145,28 @@ def canonical(name: str) -> str:
     return ALIASES.get(name, name)
 
 
-def target_tensor(params: dict, name: str):
-    """The model tensor a canonical checkpoint name fills (one expert's row of a stacked one), or None."""
+def targets(params: dict, name: str):
+    """(model tensor, its scale buffer or None) that a canonical checkpoint weight name fills, or None.
+
+    Experts fill one row of a stacked [E, ...] tensor; a weight held quantized fills `qweight`."""
     m = EXPERT.match(name)
     if m is None:
-        return params.get(name)
-    stacked, expert = params.get(f"{m.group(1)}.{m.group(3)}"), int(m.group(2))
-    return None if stacked is None or expert >= stacked.shape[0] else stacked[expert]
+        if name in params:
+            return params[name], None
+        stem = name[: -len(".weight")] if name.endswith(".weight") else None
+        if stem is None or stem + ".qweight" not in params:
+            return None
+        return params[stem + ".qweight"], params[stem + ".scale"]
+    key, row = f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+    if key in params:
+        tensor, scale = params[key], None
+    elif key + ".qweight" in params:
+        tensor, scale = params[key + ".qweight"], params[key + ".scale"]
+    else:
+        return None
+    if row >= tensor.shape[0]:
+        return None
+    return tensor[row], None if scale is None else scale[row]
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -90,70 +189,125 @@ def safetensors_files(path: str) -> list[str]:
 
 @dataclass
 class Match:
-    """One checkpoint tensor and the model tensor it fills."""
+    """One checkpoint tensor and the model tensor(s) it fills."""
 
     raw: str  # its name in the checkpoint
-    file: str  # the shard holding it
-    handle: Any  # the open `safe_open` shard
-    names: set[str]  # every name in that shard (a quantized weight's scale sits beside it)
-    target: torch.Tensor  # the model tensor (an expert's row of a stacked [E, ...] parameter)
+    shard: Shard  # the file holding it (a quantized weight's scale sits beside it)
+    target: torch.Tensor  # the model tensor (an expert's row of a stacked [E, ...] tensor)
+    scale: str | None  # the checkpoint name of its scale, if quantized
+    scale_target: torch.Tensor | None  # the scale buffer when the weight is held as stored
 
-    @property
-    def scale(self) -> str | None:
-        return scale_name(self.raw, self.names)
+    def check_shape(self, name: str, target: torch.Tensor) -> None:
+        shape = self.shard.shape(name)
+        if tuple(shape) != tuple(target.shape):
+            raise ModelLoadError(f"tensor {name!r} in {self.shard.name} has shape "
+                                 f"{tuple(shape)}, expected {tuple(target.shape)}")
 
-    def check_shape(self, shape) -> None:
-        if tuple(shape) != tuple(self.target.shape):
-            raise ModelLoadError(f"tensor {self.raw!r} in {os.path.basename(self.file)} has shape "
-                                 f"{tuple(shape)}, expected {tuple(self.target.shape)}")
+    def check(self) -> None:
+        """Names, dtypes and shapes against the target, from the header alone."""
+        raw, dtype = self.raw, self.shard.dtype(self.raw)
+        if self.scale is None:
+            if dtype in (torch.float8_e4m3fn, torch.int8) and self.target.is_floating_point():
+                raise ModelLoadError(f"tensor {raw!r} is quantized ({dtype}) but its scale "
+                                     f"({raw[:-len('.weight')]}.scale) is not in the same shard")
+            return self.check_shape(raw, self.target)
+        if self.scale_target is not None:
+            self.check_shape(raw, self.target)
+            return self.check_shape(self.scale, self.scale_target)
+        shape, fmt = self.shard.shape(raw), detect_format(dtype, self.shard.shape(raw), self.target.shape)
+        if fmt is None or self.target.dim() != 2:
+            raise ModelLoadError(f"tensor {raw!r}: cannot dequantize a {dtype} tensor of shape {shape} "
+                                 f"into {tuple(self.target.shape)}")
+        want = stored_shapes(fmt, *self.target.shape)[1]
+        if tuple(self.shard.shape(self.scale)) != want:
+            raise ModelLoadError(f"tensor {self.scale!r} in {self.shard.name} has shape "
+                                 f"{self.shard.shape(self.scale)}, expected {want} for {fmt} {tuple(self.target.shape)}")
 
 
-def matched_tensors(params: dict, files: list[str]) -> Iterator[Match]:
-    """Walk `files` (sorted names per shard) and yield a `Match` per tensor that fills `params`.
+def matched_tensors(params: dict, shards: list[Shard]) -> Iterator[Match]:
+    """Walk `shards` (sorted names per shard) and yield a `Match` per tensor that fills `params`.
 
     Ignored (`mtp.*`) and scale tensors are skipped (scales are read with their weight); a name
     matching no model tensor (an expert index out of range included) is collected. A match
     counts as filled once the caller takes the next one. When the walk ends, unknown names or
     unfilled model tensors raise `ModelLoadError` (`check_complete`).
     """
-    from safetensors import safe_open
-
     filled, unknown = set(), []
-    for file in files:
-        with safe_open(file, framework="pt") as fh:
-            names = set(fh.keys())
-            for raw in sorted(names):
-                if IGNORED.match(raw) or raw.endswith(SCALE_SUFFIXES):
-                    continue
-                name = canonical(raw)
-                target = target_tensor(params, name)
-                if target is None:
-                    unknown.append(raw)
-                    continue
-                yield Match(raw, file, fh, names, target)
-                filled.add(name)
+    for shard in shards:
+        names = shard.keys()
+        for raw in sorted(names):
+            if IGNORED.match(raw) or raw.endswith(SCALE_SUFFIXES):
+                continue
+            name = canonical(raw)
+            hit = targets(params, name)
+            if hit is None:
+                unknown.append(raw)
+                continue
+            yield Match(raw, shard, hit[0], scale_name(raw, names), hit[1])
+            filled.add(name)
+            if hit[1] is not None:
+                filled.add(name[: -len("weight")] + "scale")
     check_complete(params, filled, unknown)
 
 
-def load_state(model, files: list[str]) -> None:
+def stored_formats(model, shards: list[Shard]) -> dict[str, StoredFormat]:
+    """From the headers: the `hold_stored` keys (`layers.0.attn.wq_a`, `layers.2.ffn.experts.w1`)
+    whose checkpoint weights are FP8/FP4 and can be held as stored. A stacked expert projection
+    qualifies only when all its experts share one format; `head` and non-Linear tensors (the
+    router's weight) never do; all of those are dequantized at load instead."""
+    params, modules = model_tensors(model), dict(model.named_modules())
+    found: dict[str, dict[int | None, StoredFormat]] = {}
+    for shard in shards:
+        names = shard.keys()
+        for raw in names:
+            scale = None if IGNORED.match(raw) or raw.endswith(SCALE_SUFFIXES) else scale_name(raw, names)
+            hit = None if scale is None else targets(params, canonical(raw))
+            fmt = None if hit is None else detect_format(shard.dtype(raw), shard.shape(raw), hit[0].shape)
+            if fmt is None or shard.dtype(scale) not in SCALE_DTYPES:
+                continue
+            m = EXPERT.match(canonical(raw))
+            found.setdefault(holder(canonical(raw)), {})[m and int(m.group(2))] = \
+                StoredFormat(fmt, shard.dtype(raw), shard.dtype(scale))
+    formats = {}
+    for key, per in found.items():
+        module, parent = modules.get(key), modules.get(key.rpartition(".")[0])
+        same = len(set(per.values())) == 1
+        if isinstance(module, Linear) and key not in DENSE_ONLY:
+            formats[key] = per[None]
+        elif isinstance(parent, Experts) and same and len(per) == parent.num_experts:
+            formats[key] = next(iter(per.values()))
+    return formats
+
+
+def read_match(match: Match) -> None:
+    """Fill `match.target` (and its scale buffer) from the file, checking shapes and finiteness."""
+    match.check()
+    raw, shard, target = match.raw, match.shard, match.target
+    if match.scale_target is not None:  # held as stored: the bytes as they are
+        shard.read(raw, into=target)
+        shard.read(match.scale, into=match.scale_target)
+        bad = [t for t in (target, match.scale_target) if nonfinite(t)]
+    elif match.scale is not None:  # dequantized into the model's dtype, one slice at a time
+        try:
+            dequantize(shard.read(raw), shard.read(match.scale), tuple(target.shape), out=target)
+        except ValueError as exc:
+            raise ModelLoadError(f"tensor {raw!r}: {exc}") from exc
+        bad = [target] if nonfinite(target) else []
+    else:
+        bad = [target] if nonfinite(shard.read(raw, into=target)) else []
+    if bad:
+        raise ModelLoadError(f"tensor {raw!r} in {shard.name} has NaN or Inf values")
+
+
+@torch.no_grad()
+def load_state(model, shards: list[Shard]) -> None:
     """Copy every checkpoint tensor into `model`, checking names, shapes and finiteness."""
-    for match in matched_tensors(model_tensors(model), files):
-        raw, target = match.raw, match.target
-        tensor = match.handle.get_tensor(raw)
-        scale = match.scale
-        if scale is not None:
-            try:
-                tensor = dequantize(tensor, match.handle.get_tensor(scale), tuple(target.shape))
-            except ValueError as exc:
-                raise ModelLoadError(f"tensor {raw!r}: {exc}") from exc
-        elif tensor.dtype in (torch.float8_e4m3fn, torch.int8) and target.is_floating_point():
-            raise ModelLoadError(f"tensor {raw!r} is quantized ({tensor.dtype}) but its scale "
-                                 f"({raw[:-len('.weight')]}.scale) is not in the same shard")
-        match.check_shape(tensor.shape)
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ModelLoadError(f"tensor {raw!r} in {os.path.basename(match.file)} has NaN or Inf values")
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
+    try:
+        for match in matched_tensors(model_tensors(model), shards):
+            read_match(match)
+    finally:
+        for shard in shards:
+            shard.close()
 
 
 def meta_model(config) -> DSv4Model:
@@ -162,43 +316,73 @@ def meta_model(config) -> DSv4Model:
         return DSv4Model(config)
 
 
+def prepared_model(path_or_name: str, dtype=torch.float32, weights: str = "stored"):
+    """(the `meta` model `load_model` fills, its `Shard`s or None for `TINY`): quantized projections
+    swapped for `QuantLinear`s (`weights="stored"`), every tensor in the dtype it will be held in."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if path_or_name == TINY:
+        from .tiny import tiny_config
+
+        model, shards = meta_model(tiny_config()), None
+    else:
+        model = meta_model(load_config(path_or_name))
+        shards = [Shard(f) for f in safetensors_files(path_or_name)]
+        if weights == "stored":
+            hold_stored(model, stored_formats(model, shards))
+    for name, p in model.named_parameters():
+        if not KEEP_FP32.search(name):
+            p.data = p.data.to(dtype)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.compute_dtype = dtype
+    return model, shards
+
+
 def check_checkpoint(path: str) -> None:
     """Raise `ModelLoadError` unless the folder `path` would load (no tensor data is read).
 
     config.json must be a DeepSeek-V4 config and every safetensors tensor must match a tensor of
-    the model it describes, with its shape (from the headers), none missing. Quantized tensors'
-    shapes and all values (NaN/Inf) are only checked by `load_model`. `TINY` is always fine.
+    the model it describes, with its dtype class and shape (quantized weights and their scales
+    included, from the headers), none missing. Values (NaN/Inf) are only checked by `load_model`.
+    `TINY` is always fine.
     """
     if path == TINY:
         return
-    model = meta_model(load_config(path))
-    for match in matched_tensors(model_tensors(model), safetensors_files(path)):
-        if match.scale is None:  # a quantized tensor's stored shape is not the parameter's
-            match.check_shape(match.handle.get_slice(match.raw).get_shape())
+    check_tensors(*prepared_model(path))
 
 
-def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32) -> DSv4Model:
-    """A `DSv4Model` from a checkpoint folder or `TINY`, on `device` in `dtype` (norms etc. stay fp32)."""
-    if path_or_name == TINY:
-        from .tiny import seed_weights, tiny_config
+def check_tensors(model, shards: list[Shard]) -> None:
+    """`Match.check` every checkpoint tensor against the (meta) `model` it would fill."""
+    for match in matched_tensors(model_tensors(model), shards):
+        match.check()
 
-        model = meta_model(tiny_config()).to_empty(device="cpu")
+
+def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32, weights: str = "stored") -> DSv4Model:
+    """A `DSv4Model` from a checkpoint folder or `TINY`, on `device` in `dtype` (norms etc. stay fp32).
+
+    weights: "stored" keeps FP8/FP4 checkpoint weights as stored (`QuantLinear`, multiplied by
+    `kernels.quant_linear`); "compute" dequantizes them into `dtype` at load. Checkpoints without
+    quantized tensors (and `TINY`) load the same either way.
+    """
+    model, shards = prepared_model(path_or_name, dtype, weights)
+    model = model.to_empty(device="cpu")  # every tensor is filled next
+    if shards is None:
+        from .tiny import seed_weights
+
         seed_weights(model)
     else:
-        config = load_config(path_or_name)
-        model = meta_model(config).to_empty(device="cpu")  # every tensor is loaded next
-        load_state(model, safetensors_files(path_or_name))
-    for name, p in model.named_parameters():
-        if not KEEP_FP32.search(name):
-            p.data = p.data.to(dtype)
+        load_state(model, shards)
     return model.to(device).eval()
 
 
-def save_checkpoint(model, path: str) -> None:
+def save_checkpoint(model, path: str, quantize: bool = False) -> None:
     """Write `model` as a native-named safetensors checkpoint folder (config.json, tokenizer.json).
 
-    transformers' `DeepseekV4ForCausalLM.from_pretrained(path)` reads it (its conversion mapping
-    renames native names), so the same weights can be run by the reference implementation.
+    Weights held as stored are written as stored (`X.weight` + `X.scale`); `quantize=True` also
+    writes the dense native-FP8 linears and routed experts in the native FP8 / FP4 layout
+    (`quant.quantize_state`). transformers' `DeepseekV4ForCausalLM.from_pretrained(path)` reads a
+    dense one (its conversion mapping renames native names), so the reference can run it.
     """
     import shutil
 
@@ -208,6 +392,7 @@ def save_checkpoint(model, path: str) -> None:
 
     os.makedirs(path, exist_ok=True)
     state = {name: t.detach().contiguous().cpu() for name, t in checkpoint_tensors(model_tensors(model))}
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_file(quantize_state(state) if quantize else state, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
     model.config.to_json_file(os.path.join(path, "config.json"))
     shutil.copy(packaged_tokenizer_path(), os.path.join(path, "tokenizer.json"))

@@ -7,12 +7,11 @@ Computation only: loading is `model/loader.py`, scheduling, scoring and the work
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention
 from .config import layer_ratio
-from .layers import Linear, MoE, RMSNorm, Rope, hc_post, hc_pre, linear, rms
+from .layers import Linear, MoE, RMSNorm, Rope, hc_collapse, hc_mixes, hc_post, hc_pre, sigmoid
 from .step import StepContext
 
 
@@ -86,25 +85,86 @@ class DSv4Model(nn.Module):
         h = self.embed(ctx.input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx, i, backend)
-        flat = rms(h.flatten(1).float(), self.config.rms_norm_eps)
-        pre = torch.sigmoid(linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
-                            + self.hc_head_base.float()) + self.config.hc_eps
-        return self.norm((pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype))
+        pre = sigmoid(hc_mixes(h, self.hc_head_fn, self.config.rms_norm_eps) * self.hc_head_scale.float()
+                      + self.hc_head_base.float()) + self.config.hc_eps
+        return self.norm(hc_collapse(pre, h))
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int) -> torch.Tensor:
         """hidden [n, hidden], targets [n] int64 -> log p(target) [n] fp32, `slice_rows` rows at a time.
 
-        Every slice has exactly `slice_rows` rows (the last is zero-padded): one fixed shape means
-        one GEMM/reduction strategy, so a row's logprob does not depend on its step's size.
+        Every slice has exactly `slice_rows` rows (the last is zero-padded) and goes through
+        `tiled_logprobs`: one fixed shape means one GEMM/reduction strategy, so a row's logprob
+        does not depend on its step's size or on its slice-mates.
         """
         step, n = slice_rows, hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
         padded = hidden.new_zeros(step, hidden.shape[1])
         padded_targets = targets.new_zeros(step)
+        weight = self.head.weight
         for a in range(0, n, step):
             rows = min(step, n - a)
             padded[:rows], padded_targets[:rows] = hidden[a:a + rows], targets[a:a + rows]
-            logits = self.head(padded).float()
-            # fused log-softmax + gather (one pass fewer than logsumexp over the vocabulary)
-            out[a:a + rows] = -F.cross_entropy(logits, padded_targets, reduction="none")[:rows]
+            out[a:a + rows] = tiled_logprobs(padded, weight, padded_targets)[:rows]
         return out
+
+
+# Vocabulary columns per head tile: a [256, 2048] fp32 logits tile (2 MiB) plus its weight rows
+# stay in L2/L3 while it is reduced, instead of streaming [256, 129280] (132 MB) through memory.
+VOCAB_TILE = 2048
+
+
+def tiled_logprobs(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   tile: int = VOCAB_TILE) -> torch.Tensor:
+    """Fused head: x [n, hidden], weight [vocab, hidden], targets [n] -> log p(target) [n] fp32.
+
+    Per vocabulary tile (`vocab_tiles`): one GEMM [n, tile], then `OnlineLogSumExp.add` (the
+    target's logit when it falls in the tile, the row max, the running sum of exp); logsumexp =
+    max + log(sum). Only one [n, tile] block exists at a time. Everything after the GEMM is
+    row-wise and the tiles come in a fixed order, so a row's result depends only on its own
+    values (and the fixed shape [n, tile] of every GEMM): batch-invariant.
+    """
+    acc = OnlineLogSumExp(targets, tile)
+    for i, _, logits in vocab_tiles(x, weight, tile):
+        acc.add(i, logits)
+    return acc.picked - acc.logsumexp()
+
+
+def vocab_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = VOCAB_TILE):
+    """Yield (tile index i, first id v0, logits [n, width] fp32) over the vocabulary in order.
+
+    The logits live in one reused [n, tile] buffer: valid until the next tile is produced."""
+    n, vocab = x.shape[0], weight.shape[0]
+    buf = torch.empty(n, min(tile, vocab), dtype=torch.float32, device=x.device)
+    for i, v0 in enumerate(range(0, vocab, tile)):
+        width = min(tile, vocab - v0)
+        logits = buf[:, :width]
+        if x.dtype == torch.float32:
+            torch.mm(x, weight[v0:v0 + width].t(), out=logits)
+        else:  # bf16/fp16 model: the GEMM accumulates in fp32 inside, the reduction runs in fp32
+            logits.copy_(torch.mm(x, weight[v0:v0 + width].t()))
+        yield i, v0, logits
+
+
+class OnlineLogSumExp:
+    """Running (max, sum of exp) per row over vocabulary tiles, and the target's logit.
+
+    targets [n] int64. `add(i, logits)` folds tile i in (shifting the tile in place: read it
+    before); after the last tile `logsumexp()` [n] and `picked` [n] (the target's raw logit)."""
+
+    def __init__(self, targets: torch.Tensor, tile: int):
+        n, dev = targets.shape[0], targets.device
+        self.run_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+        self.run_sum = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.picked = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.tile_of, self.col = targets // tile, (targets % tile).unsqueeze(1)
+
+    def add(self, i: int, logits: torch.Tensor) -> None:
+        hit = logits.gather(1, self.col.clamp(max=logits.shape[1] - 1)).squeeze(1)
+        self.picked = torch.where(self.tile_of == i, hit, self.picked)
+        new_max = torch.maximum(self.run_max, logits.amax(1))
+        self.run_sum = (self.run_sum * torch.exp(self.run_max - new_max)
+                        + logits.sub_(new_max.unsqueeze(1)).exp_().sum(1))
+        self.run_max = new_max
+
+    def logsumexp(self) -> torch.Tensor:
+        return self.run_max + self.run_sum.log()

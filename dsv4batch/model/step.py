@@ -97,7 +97,7 @@ class StepContext:
         the last closed window (ratio 4 only, once one exists) then the end_b % r pending rows.
         """
         for b in self.continuing:
-            rows = comp_layout.keep[b]
+            rows = torch.from_numpy(comp_layout.keep_rows(b)).to(src[0].device)
             cache_out.setdefault(b, {})[key] = (src[0][rows], src[1][rows])
 
     def carry_entries(self, cache_out: dict, table, lay: RatioLayout, idx_table):

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.pipeline.formats import FORMATS
 from dsv4batch.pipeline.schema import output_names
 from dsv4batch.planner import PLANNER_NAMES  # numpy only: no torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATE = ("none", "left", "right")
+WEIGHTS = ("stored", "compute")
 
 
 def _f(default: Any, help: str, *, choices: tuple | None = None, group: str = "scoring",
@@ -31,8 +33,12 @@ def _f(default: Any, help: str, *, choices: tuple | None = None, group: str = "s
 @dataclass(frozen=True)
 class ScoreConfig:
     # -- run: used by the runner (`dsv4batch score`), ignored by `pipeline.score(dataset, config)`
-    input: str | None = _f(None, "Parquet file, folder of Parquet files or glob (any filesystem "
-                           "pyarrow can open).", group="run")
+    input: str | None = _f(None, "Parquet, JSONL or CSV file, folder of them or glob (any "
+                           "filesystem pyarrow can open).", group="run")
+    input_format: str | None = _f(None, "Format of INPUT's files; None: by extension (.parquet "
+                                  ".pq .parq; .jsonl .json: one JSON object per line; .csv "
+                                  "with a header row). Output is always Parquet.",
+                                  choices=(None, *FORMATS), group="run")
     output: str | None = _f(None, "Output folder: Parquet part files plus _metrics.json.",
                             group="run")
     overwrite: bool = _f(False, "Replace the files of a previous run in OUTPUT (only files "
@@ -56,6 +62,10 @@ class ScoreConfig:
                     "tokenizer.json) or 'tiny'.", group="model")
     dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on CUDA, float32 on CPU.",
                     choices=DTYPES, group="model")
+    weights_dtype: str = _f("stored", "Native FP8/FP4 checkpoint weights: 'stored' keeps them "
+                            "quantized in memory (block-scaled matmuls), 'compute' dequantizes "
+                            "them to --dtype at load (2-4x the memory).", choices=WEIGHTS,
+                            group="model")
     # -- columns and scoring
     text_column: str = _f("prompt", "Column with the text (prompt) to score.")
     target_column: str | None = _f(None, "Optional column with a continuation: only its tokens "
@@ -65,6 +75,9 @@ class ScoreConfig:
     keep_columns: tuple[str, ...] = _f((), "Input columns to carry through to the output "
                                        "(comma-separated on the CLI).")
     token_logprobs: bool = _f(False, "Also write token_logprobs (list<float32>) per row.")
+    top_logprobs: int = _f(0, "Also write the K most likely tokens at every scored position: "
+                           "top_ids (list<list<int32>>) and top_logprobs (list<list<float32>>, "
+                           "descending). 0: not written.", min=0)
     truncate: str = _f("none", "Rows longer than max_model_len tokens: 'none' answers them with "
                        "an error, 'left' drops their first tokens (bos stays), 'right' their "
                        "last; column truncated_tokens counts what was dropped.", choices=TRUNCATE)
@@ -114,6 +127,11 @@ class ScoreConfig:
                                         "through the whole input, and small blocks (< 100 KiB) "
                                         "wait in the driver's memory. None: 4 x max_block_mib "
                                         "+ 16 per replica.", group="resources", min=1)
+    gpu_memory_gib: float | None = _f(None, "Memory of one GPU, for the capacity check before any "
+                                      "actor starts (`dsv4batch plan`'s arithmetic: a replica "
+                                      "whose weights, workspace and activations do not fit is "
+                                      "refused). None: from Ray's accelerator_type when it is a "
+                                      "known GPU, else no check.", group="resources", min=0.001)
     wait_for_resources: bool = _f(False, "Start even when the cluster lacks the GPUs or CPUs "
                                   "the replicas need right now (an autoscaler will add nodes); "
                                   "without it such a run is refused up front.",
@@ -165,7 +183,7 @@ class ScoreConfig:
         if self.id_column in self.keep_columns:
             raise UsageError(f"keep_columns: the id column {self.id_column!r} is always written "
                              "(as 'id'); do not list it")
-        clash = set(self.keep_columns) & set(output_names(True, True))
+        clash = set(self.keep_columns) & set(output_names(True, True, 1))
         if clash:
             raise UsageError(f"keep_columns {sorted(clash)} clash with output columns; rename "
                              "them in the input")
@@ -213,7 +231,7 @@ class ScoreConfig:
     def result_fields(self) -> dict[str, Any]:
         """The fields that change what a row's output is (recorded per run, checked on resume)."""
         keys = ("model", "dtype", "text_column", "target_column", "id_column", "keep_columns",
-                "token_logprobs", "max_model_len", "truncate")
+                "token_logprobs", "top_logprobs", "max_model_len", "truncate")
         return {k: v for k, v in self.to_dict().items() if k in keys}
 
 

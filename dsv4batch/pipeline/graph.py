@@ -4,6 +4,9 @@
     scores = dsv4batch.pipeline.score(ds, ScoreConfig(replicas=2))
     scores.write_parquet(...)                       # or more Ray Data steps
 
+`score_tokenized` is the same graph for requests that are token ids already (the lm-eval
+backend tokenizes itself): it starts at the ScoringActor pool.
+
 Each input row comes out exactly once: every step keeps row count and order within a batch,
 and a row that cannot be scored carries an `error` instead of being dropped.
 """
@@ -61,15 +64,42 @@ def resolve(config: ScoreConfig) -> ScoreConfig:
     return config.replace(gpus_per_replica=gpus, cpus_per_replica=cpus)
 
 
-def _check_schema(dataset, config: ScoreConfig) -> None:
-    from dsv4batch.pipeline.stages.tokenize import Tokenize
+# GiB per GPU of the accelerator types Ray labels nodes with (`accelerator_type:<name>`)
+GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "B200": 180, "A100-80G": 80, "A100-40G": 40,
+                  "L40S": 48, "L4": 24, "A10G": 24}
 
+
+def check_capacity(config: ScoreConfig, cluster: dict, log) -> None:
+    """Refuse, before any actor starts, a GPU replica that `dsv4batch plan` says cannot fit
+    (one GPU per replica: tensor parallelism is not built yet). `cluster`: Ray's resources."""
+    if not config.gpus_per_replica:
+        return
+    gib = config.gpu_memory_gib
+    if gib is None:
+        known = [GPU_MEMORY_GIB[k.split(":", 1)[1]] for k in cluster
+                 if k.startswith("accelerator_type:") and k.split(":", 1)[1] in GPU_MEMORY_GIB]
+        if not known:
+            log("[dsv4batch] note: GPU memory unknown (give --gpu-memory-gib): no capacity check")
+            return
+        gib = min(known)
+    from dsv4batch.model.capacity import replica_fits
+
+    fits, why = replica_fits(config.model, 1, int(gib * 2**30), config.max_model_len,
+                             config.max_batched_tokens, dtype=config.compute()["dtype"],
+                             weights=config.weights_dtype)
+    if not fits:
+        raise UsageError(f"model {config.model!r} does not fit one {gib:g} GiB GPU per replica "
+                         f"({why}); see `dsv4batch plan --model {config.model}`")
+
+
+def _check_schema(dataset, needed) -> None:
+    """The dataset's columns, when Ray knows them without running anything, include `needed`."""
     try:
         schema = dataset.schema(fetch_if_missing=False)
     except Exception:
         schema = None
     if schema is not None:
-        S.check_columns("score", Tokenize.spec(config).reads, list(schema.names), "dataset")
+        S.check_columns("score", needed, list(schema.names), "dataset")
 
 
 def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | None = None):
@@ -85,15 +115,43 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | Non
     """
     from ray.data import ActorPoolStrategy
 
+    from dsv4batch.pipeline.stages.tokenize import Tokenize
+
+    config, stats = _prepare(dataset, config, stats)
+    _check_schema(dataset, Tokenize.spec(config).reads)
+    tokenized = dataset.map_batches(
+        Tokenize, fn_constructor_kwargs={"config": config, "stats": stats},
+        compute=ActorPoolStrategy(min_size=1, max_size=config.tokenize_concurrency),
+        batch_format="pyarrow", batch_size=config.tokenize_batch_size,
+        num_cpus=config.tokenize_num_cpus, zero_copy_batch=True, udf_modifying_row_count=False)
+    return _scoring(tokenized, config, stats, scorer)
+
+
+def score_tokenized(dataset, config: ScoreConfig, *, stats: Any = None,
+                    scorer: type | None = None):
+    """`score` for requests tokenized already (the lm-eval backend's): no Tokenize step.
+
+    `dataset` columns: `id` (unique), `schema.INPUT_IDS` (list<int32>: the whole request, at
+    most `max_model_len` ids), `schema.NUM_SCORED` (int32: how many trailing ids are scored,
+    >= 1 unless the request is a single id) and `error` (string, null for a request to score);
+    with `truncate` other than none also `schema.NUM_TRUNCATED`. Returns one output row per
+    request, as `score` does (`config.text_column` etc. are not used).
+    """
+    from dsv4batch.pipeline.stages.score import ScoringActor
+
+    config, stats = _prepare(dataset, config, stats)
+    _check_schema(dataset, ScoringActor.spec(config).reads)
+    return _scoring(dataset, config, stats, scorer)
+
+
+def _prepare(dataset, config: ScoreConfig, stats):
+    """Resolve `config`, set the dataset's context (faults, block size, buffer), get `stats`."""
     from dsv4batch.pipeline.faults import fault_settings
     from dsv4batch.pipeline.metrics import start_collector
-    from dsv4batch.pipeline.stages.score import ScoringActor
-    from dsv4batch.pipeline.stages.tokenize import Tokenize
 
     if not isinstance(config, ScoreConfig):
         raise UsageError(f"config must be a ScoreConfig, got {type(config).__name__}")
     config = resolve(config)
-    _check_schema(dataset, config)
     fault_settings(dataset.context)
     # both apply to every step of this dataset, the read included (Ray reads them at execution)
     dataset.context.target_max_block_size = int(config.max_block_mib * 2**20)
@@ -102,11 +160,15 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | Non
         object_store_memory=config.buffer_bytes())
     if stats is None:
         stats = start_collector(config.max_errored_rows)
-    tokenized = dataset.map_batches(
-        Tokenize, fn_constructor_kwargs={"config": config, "stats": stats},
-        compute=ActorPoolStrategy(min_size=1, max_size=config.tokenize_concurrency),
-        batch_format="pyarrow", batch_size=config.tokenize_batch_size,
-        num_cpus=config.tokenize_num_cpus, zero_copy_batch=True, udf_modifying_row_count=False)
+    return config, stats
+
+
+def _scoring(tokenized, config: ScoreConfig, stats, scorer):
+    """The `ScoringActor` pool over a tokenized dataset."""
+    from ray.data import ActorPoolStrategy
+
+    from dsv4batch.pipeline.stages.score import ScoringActor
+
     # blocks of batch_size rows: every actor call is one batch and batches spread over replicas
     tokenized = tokenized.repartition(target_num_rows_per_block=config.batch_size)
     with warnings.catch_warnings():

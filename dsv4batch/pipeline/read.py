@@ -1,13 +1,15 @@
-"""Input discovery and the streaming Parquet read (only the columns the pipeline needs).
+"""Input discovery and the streaming read (only the columns the pipeline needs).
 
-`inspect_input` resolves INPUT (local or any pyarrow filesystem URI) to its Parquet files: a
-path that exists is read as given (a file, or a folder searched recursively, OUTPUT's folder
-left out); only a path that does not exist is a glob (`*`, `?`, `[...]`; `**` spans folders).
-Schemas, row counts and a fingerprint per file (size, rows, footer digest: what `--resume`
-compares) come from the footers, and a file whose footer cannot be read is named.
-`check_input` validates the configured columns against every distinct schema and finds the
-one id type of all files, so a bad path, file, column or type is reported before Ray starts. `read` streams the needed columns;
-on `--resume` it reads only files with rows still to score and drops the rows already written.
+`inspect_input` resolves INPUT (local or any pyarrow filesystem URI) to its files: a path that
+exists is read as given (a file, or a folder searched recursively, OUTPUT's folder left out);
+only a path that does not exist is a glob (`*`, `?`, `[...]`; `**` spans folders). The format
+(Parquet, JSONL, CSV: `formats`) comes from `--input-format` or the files' extensions, one per
+INPUT. Schemas, row counts and a fingerprint per file (what `--resume` compares) come from the
+Parquet footers, or from one streamed pass over each JSONL/CSV file that also names the first
+malformed line. `check_input` validates the configured columns against every distinct schema
+and finds the one id type of all files, so a bad path, file, line, column or type is reported
+before Ray starts. `read` streams the needed columns through Ray Data's readers; on `--resume`
+it reads only files with rows still to score and drops the rows already written.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4batch.pipeline import formats as F
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import ScoreConfig
 from dsv4batch.pipeline.errors import UsageError
@@ -37,11 +40,17 @@ class InputInfo:
     num_rows: int | None
     file_rows: list[int] | None = None  # rows per file (None when the footers were not read)
     schemas: dict | None = None  # distinct schema -> first file that has it
-    fingerprints: list[dict] | None = None  # per file: path (relative to root), size, rows, footer
+    fingerprints: list[dict] | None = None  # per file: path (relative to root), size, rows,
+    # and the footer digest (Parquet) or the content digest (JSONL, CSV)
     id_type: Any = None  # the ids' one type over all files (set by check_input)
+    format: str = "parquet"  # one of formats.FORMATS
+    text_columns: tuple = ()  # CSV: columns read as strings (the text and target)
+    longest_line: int = 0  # JSONL: the longest line over all files, in bytes
 
 
-def _list(fs, base: str, pattern: str | None) -> list[str]:
+def _list(fs, base: str, pattern: str | None, fmt: str | None) -> list[str]:
+    """Files under `base`: those matching `pattern`, else those of format `fmt` (any known
+    format when None)."""
     import pyarrow.fs as pafs
 
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
@@ -50,7 +59,26 @@ def _list(fs, base: str, pattern: str | None) -> list[str]:
                                          for p in posixpath.relpath(f, base).split("/"))]
     if pattern:
         return sorted(f for f in files if _match(f.split("/"), pattern.split("/")))
-    return sorted(f for f in files if f.endswith((".parquet", ".pq", ".parq")))
+    return sorted(f for f in files if F.format_of(f) is not None
+                  and (fmt is None or F.format_of(f) == fmt))
+
+
+def _one_format(path: str, files: list[str], given: str | None) -> str:
+    """INPUT's one format: `given`, else the files' extensions (all alike)."""
+    if given:
+        return given
+    kinds: dict = {}
+    for f in files:
+        kinds.setdefault(F.format_of(f), f)
+    if None in kinds:
+        raise UsageError(f"cannot tell the format of INPUT file {kinds[None]!r} from its name "
+                         f"(known: {', '.join(e for x in F.FORMATS.values() for e in x)}); "
+                         "pass --input-format parquet|json|csv")
+    if len(kinds) > 1:
+        seen = ", ".join(f"{F.NAMES[k]} ({f!r})" for k, f in kinds.items())
+        raise UsageError(f"INPUT {path!r} mixes formats: {seen}; pass --input-format to read "
+                         "one of them")
+    return next(iter(kinds))
 
 
 def _match(parts: list[str], pats: list[str]) -> bool:
@@ -62,10 +90,12 @@ def _match(parts: list[str], pats: list[str]) -> bool:
     return bool(parts) and fnmatch.fnmatchcase(parts[0], pats[0]) and _match(parts[1:], pats[1:])
 
 
-def inspect_input(path: str, exclude: str | None = None) -> InputInfo:
-    """INPUT's files, schemas and fingerprints; `exclude`: OUTPUT, never read as input."""
+def inspect_input(path: str, exclude: str | None = None, input_format: str | None = None,
+                  text_columns: tuple = ()) -> InputInfo:
+    """INPUT's files, format, schemas and fingerprints; `exclude`: OUTPUT, never read as
+    input; `input_format`: None (by extension) or a key of `formats.FORMATS`; `text_columns`:
+    read as strings from CSV (the configured text and target columns)."""
     import pyarrow.fs as pafs
-    import pyarrow.parquet as pq
 
     fs, p = open_fs(path)
     kind = fs.get_file_info(p).type
@@ -73,26 +103,40 @@ def inspect_input(path: str, exclude: str | None = None) -> InputInfo:
         parts = p.split("/")
         first = next(i for i, part in enumerate(parts) if any(c in part for c in _WILDCARDS))
         root = "/".join(parts[:first]) or "/"
-        files = _list(fs, root, p) if fs.get_file_info(root).type == pafs.FileType.Directory else []
+        files = (_list(fs, root, p, input_format)
+                 if fs.get_file_info(root).type == pafs.FileType.Directory else [])
     elif kind == pafs.FileType.NotFound:
         raise UsageError(f"INPUT {path!r} does not exist")
     else:
         root = p if kind == pafs.FileType.Directory else posixpath.dirname(p)
-        files = _list(fs, p, None) if kind == pafs.FileType.Directory else [p]
+        files = _list(fs, p, None, input_format) if kind == pafs.FileType.Directory else [p]
     if exclude is not None:
         out = open_fs(exclude)[1].rstrip("/") + "/"
         files = [f for f in files if not f.startswith(out)]
     if not files:
-        raise UsageError(f"INPUT {path!r} holds no Parquet files")
+        what = (f"{F.NAMES[input_format]} files" if input_format
+                else "Parquet files (nor JSONL or CSV files)")
+        raise UsageError(f"INPUT {path!r} holds no {what}")
+    fmt = _one_format(path, files, input_format)
     unreadable = [f for f in files if "?" in posixpath.basename(f)]
     if unreadable:
         raise UsageError(f"INPUT file name(s) with '?' cannot be read by Ray Data (it takes '?' "
                          f"as the start of a URL query), e.g. {unreadable[:3]}; rename them")
+    if fmt != "parquet":
+        return _inspect_text(InputInfo(path, fs, root, files, None, None, format=fmt,
+                                       text_columns=tuple(c for c in text_columns if c)))
+    return _inspect_parquet(InputInfo(path, fs, root, files, None, None))
+
+
+def _inspect_parquet(info: InputInfo) -> InputInfo:
+    import pyarrow.parquet as pq
+
+    fs, files, root = info.filesystem, info.files, info.root
     try:
-        schema = pq.read_schema(files[0], filesystem=fs)
+        info.schema = pq.read_schema(files[0], filesystem=fs)
     except Exception as exc:
         raise UsageError(f"cannot read Parquet file {files[0]!r}: {exc}") from exc
-    info = InputInfo(path, fs, root, files, schema, None, schemas={schema: files[0]})
+    info.schemas = {info.schema: files[0]}
     if len(files) <= MAX_FOOTERS:
         footers = read_footers(fs, files, "Parquet file {!r}")
         info.file_rows = [ft.rows for ft in footers]
@@ -101,6 +145,24 @@ def inspect_input(path: str, exclude: str | None = None) -> InputInfo:
             info.schemas.setdefault(ft.schema, f)
         info.fingerprints = [{"path": relative(root, f), "size": ft.size, "rows": ft.rows,
                               "footer": ft.digest} for f, ft in zip(files, footers)]
+    return info
+
+
+def _inspect_text(info: InputInfo) -> InputInfo:
+    """Stream every JSONL/CSV file once (`formats.scan_text`): rows, schemas, fingerprints."""
+    import pyarrow as pa
+
+    scans = [F.scan_text(info.filesystem, f, info.format, info.text_columns) for f in info.files]
+    info.file_rows = [s.rows for s in scans]
+    info.num_rows = sum(info.file_rows)
+    info.longest_line = max(s.longest_line for s in scans)
+    info.schemas = {}
+    for f, s in zip(info.files, scans):
+        if s.rows:  # an empty JSONL file has no columns to check
+            info.schemas.setdefault(s.schema, f)
+    info.schema = next(iter(info.schemas), pa.schema([]))
+    info.fingerprints = [{"path": relative(info.root, f), "size": s.size, "rows": s.rows,
+                          "digest": s.digest} for f, s in zip(info.files, scans)]
     return info
 
 
@@ -123,6 +185,11 @@ def check_input(info: InputInfo, config: ScoreConfig) -> None:
     string kinds)."""
     import pyarrow as pa
 
+    if info.num_rows == 0 and not info.schemas:  # only empty JSONL files: nothing has columns
+        names = S.input_columns(config, [])
+        info.schema = pa.schema([(c, pa.string()) for c in names])
+        info.schemas, info.id_type = {info.schema: info.files[0]}, pa.string()
+        return
     needed = S.input_columns(config, info.schema.names)
     if config.id_column != "id" and config.id_column not in needed:
         needed.append(config.id_column)  # an explicitly named id column must exist
@@ -168,7 +235,8 @@ def cast_ids(batch, id_column: str, id_type):
 
 
 def read(config: ScoreConfig, info: InputInfo, pending=None):
-    """`ray.data.read_parquet` of the needed columns; derives ids when the input has none.
+    """Ray Data's read of the needed columns (`read_parquet`, or its JSON/CSV readers through
+    `text_source`); derives ids when the input has none.
 
     `pending` (an `ids.rowset.Pending` from the id scan on --resume): only its files are read, and
     rows already in OUTPUT are dropped before anything else runs.
@@ -179,9 +247,14 @@ def read(config: ScoreConfig, info: InputInfo, pending=None):
     derive = config.id_column not in names
     files = info.files if pending is None else pending.files
     located = derive or pending is not None
-    ds = ray.data.read_parquet(files, filesystem=info.filesystem,
-                               columns=S.input_columns(config, names), include_paths=located,
-                               include_row_hash=located)
+    columns = S.input_columns(config, names)
+    if info.format == "parquet":
+        ds = ray.data.read_parquet(files, filesystem=info.filesystem, columns=columns,
+                                   include_paths=located, include_row_hash=located)
+    else:
+        from dsv4batch.pipeline.text_source import read_text
+
+        ds = read_text(files, info, columns, located)
     if pending is not None and pending.done:
         from dsv4batch.pipeline.ids.rowset import keep_pending
 

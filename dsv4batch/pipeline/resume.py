@@ -15,6 +15,8 @@ the Ray Data id scan (`ids.scan`).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dsv4batch.pipeline import output as O
 from dsv4batch.pipeline.config import ScoreConfig
 from dsv4batch.pipeline.errors import UsageError
@@ -22,9 +24,11 @@ from dsv4batch.pipeline.errors import UsageError
 
 def check_config(job: dict, config: ScoreConfig, log=None) -> dict:
     """Refuse a configuration whose results would differ from the recorded `job`'s."""
-    recorded, current = job["result"], config.result_fields()
-    diffs = [f"{k} {recorded.get(k)!r} -> {v!r}" for k, v in current.items()
-             if recorded.get(k) != v]
+    # a field the recorded run predates had its default's meaning then (e.g. top_logprobs 0)
+    defaults = {f.name: f.default for f in dataclasses.fields(ScoreConfig)}
+    recorded = {k: job["result"].get(k, defaults[k]) for k in config.result_fields()}
+    diffs = [f"{k} {recorded[k]!r} -> {v!r}" for k, v in config.result_fields().items()
+             if recorded[k] != v]
     if diffs:
         raise UsageError("--resume: the configuration differs from the run in OUTPUT "
                          f"({O.JOB}) in: {'; '.join(diffs)}. Resume with the recorded settings, "

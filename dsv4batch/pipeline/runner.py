@@ -47,7 +47,8 @@ def run(config: ScoreConfig, *, log=None) -> dict:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if not config.input or not config.output:
         raise UsageError("both INPUT and OUTPUT are required")
-    info = inspect_input(config.input, exclude=config.output)
+    info = inspect_input(config.input, exclude=config.output, input_format=config.input_format,
+                         text_columns=(config.text_column, config.target_column))
     check_input(info, config)
     check_model(config.model)
     run_id = uuid.uuid4().hex[:8]
@@ -69,9 +70,7 @@ def _run(config: ScoreConfig, info, run_id: str, log) -> dict:
     job, parts = {}, O.Parts([], 0, None)
     if state.resuming:
         job = check_config(state.job, config, log)
-        columns = [*S.output_names(config.token_logprobs, config.truncate != "none"),
-                   *config.keep_columns]
-        parts = O.finished_parts(config.output, columns)
+        parts = O.finished_parts(config.output, S.config_output_names(config))
         check_inputs(job, info.fingerprints, config.id_column not in info.schema.names, log)
     run = {"run_id": run_id, "input_rows": info.num_rows, "resumed": state.resuming,
            "model": config.model}
@@ -103,7 +102,7 @@ def _score(config: ScoreConfig, info, state, job: dict, parts, run: dict, log) -
     from dsv4batch.pipeline.cluster import configure_data_context, connect
     from dsv4batch.pipeline.faults import explain_failure
     from dsv4batch.pipeline.fs import open_fs
-    from dsv4batch.pipeline.graph import resolve, score
+    from dsv4batch.pipeline.graph import check_capacity, resolve, score
     from dsv4batch.pipeline.ids.scan import scan_ids
     from dsv4batch.pipeline.metrics import start_collector
     from dsv4batch.pipeline.progress import Progress
@@ -114,6 +113,7 @@ def _score(config: ScoreConfig, info, state, job: dict, parts, run: dict, log) -
     connect(config.ray_address)
     configure_data_context()
     config = resolve(config)
+    check_capacity(config, ray.cluster_resources(), log)
     if state.resuming:
         check_compute(job, config.compute(), config.allow_device_change, log)
     pending = None
@@ -199,5 +199,5 @@ def _empty_table(config: ScoreConfig, info):
 
     schema = S.output_schema(info.id_type or pa.string(), config.token_logprobs,
                              [info.schema.field(c) for c in config.keep_columns],
-                             config.truncate != "none")
+                             config.truncate != "none", config.top_logprobs)
     return schema.empty_table()

@@ -20,8 +20,10 @@ NUM_TRUNCATED = "__num_truncated"  # int32: tokens --truncate dropped from the r
 INTERNAL = (INPUT_IDS, NUM_SCORED, NUM_TRUNCATED)
 
 # output columns, in order (token_logprobs only with config.token_logprobs)
-SCORE_COLUMNS = ("num_tokens", "num_scored_tokens", "logprob_sum", "logprob_mean", "perplexity")
+SCORE_COLUMNS = ("num_tokens", "num_scored_tokens", "logprob_sum", "logprob_mean", "perplexity",
+                 "is_greedy")  # is_greedy: every scored token was the argmax (null: an error)
 TOKEN_LOGPROBS = "token_logprobs"
+TOP_IDS, TOP_LOGPROBS = "top_ids", "top_logprobs"  # only with --top-logprobs K > 0
 TRUNCATED = "truncated_tokens"  # only with --truncate left|right
 
 
@@ -34,20 +36,33 @@ class StageSpec:
     writes: tuple[str, ...]
 
 
-def output_names(token_logprobs: bool, truncated: bool = False) -> list[str]:
+def output_names(token_logprobs: bool, truncated: bool = False, top_logprobs: int = 0) -> list[str]:
     return [ID, *SCORE_COLUMNS, *([TOKEN_LOGPROBS] if token_logprobs else []),
+            *([TOP_IDS, TOP_LOGPROBS] if top_logprobs else []),
             *([TRUNCATED] if truncated else []), ERROR]
 
 
-def output_schema(id_type, token_logprobs: bool, keep_fields=(), truncated: bool = False):
-    """The schema of every written part file: `id` keeps the input's id type."""
+def config_output_names(config) -> list[str]:
+    """`output_names` for a `ScoreConfig`, kept columns included: every part file's columns."""
+    return [*output_names(config.token_logprobs, config.truncate != "none", config.top_logprobs),
+            *config.keep_columns]
+
+
+def output_schema(id_type, token_logprobs: bool, keep_fields=(), truncated: bool = False,
+                  top_logprobs: int = 0):
+    """The schema of every written part file: `id` keeps the input's id type. With
+    `top_logprobs` K > 0, per row [scored positions][K] token ids and their logprobs."""
     import pyarrow as pa
 
     fields = [pa.field(ID, id_type), pa.field("num_tokens", pa.int32()),
               pa.field("num_scored_tokens", pa.int32()), pa.field("logprob_sum", pa.float64()),
-              pa.field("logprob_mean", pa.float64()), pa.field("perplexity", pa.float64())]
+              pa.field("logprob_mean", pa.float64()), pa.field("perplexity", pa.float64()),
+              pa.field("is_greedy", pa.bool_())]
     if token_logprobs:
         fields.append(pa.field(TOKEN_LOGPROBS, pa.list_(pa.float32())))
+    if top_logprobs:
+        fields += [pa.field(TOP_IDS, pa.list_(pa.list_(pa.int32()))),
+                   pa.field(TOP_LOGPROBS, pa.list_(pa.list_(pa.float32())))]
     if truncated:
         fields.append(pa.field(TRUNCATED, pa.int32()))
     fields.append(pa.field(ERROR, pa.string()))

@@ -33,7 +33,8 @@ def test_cli_scores_match_the_model(tmp_path, checkpoint, engine):
                  "--keep-columns", "source", *FAST]) == 0
     result, metrics = read_output(out)
     assert result.column_names == ["id", "num_tokens", "num_scored_tokens", "logprob_sum",
-                                   "logprob_mean", "perplexity", "token_logprobs", "error", "source"]
+                                   "logprob_mean", "perplexity", "is_greedy", "token_logprobs",
+                                   "error", "source"]
     assert result.schema.field("id").type == pa.int64()
     assert result.schema.field("num_tokens").type == pa.int32()
     assert result.schema.field("token_logprobs").type == pa.list_(pa.float32())

@@ -109,7 +109,7 @@ def test_compressor_overlap_windows_and_carry():
     assert rows(lay.prev) == [[0, 1, 2, 3], [15, 15, 15, 15]]  # request 1 has no previous window
     assert rows(lay.positions) == [4, 0] and rows(lay.num_new) == [1, 1]
     # to carry on: the last full window and the tail after it
-    assert [rows(k) for k in lay.keep] == [[4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
+    assert [rows(lay.keep_rows(b)) for b in range(2)] == [[4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
 
 
 def test_compressor_without_overlap():
@@ -118,6 +118,6 @@ def test_compressor_without_overlap():
     assert lay.num_carried == 1 and lay.pad == 7  # request 0's pending pos 2
     assert rows(lay.cur) == [[0, 1], [2, 3], [4, 5]] and rows(lay.prev) == rows(lay.cur)
     assert rows(lay.positions) == [2, 4, 0] and rows(lay.num_new) == [2, 1]
-    assert [rows(k) for k in lay.keep] == [[], [6]]  # request 1 pends pos 2 (step row 6)
+    assert [rows(lay.keep_rows(b)) for b in range(2)] == [[], [6]]  # request 1 pends pos 2 (step row 6)
     torch_lay = CompressorLayout(starts, ends, cu, 2, overlap=False).to_torch("cpu")
-    assert torch_lay.cur.dtype == torch.int64 and rows(torch_lay.keep[1]) == [6]
+    assert torch_lay.cur.dtype == torch.int64 and rows(torch_lay.keep_rows(1)) == [6]

@@ -100,3 +100,16 @@ def test_cli_exit_codes(argv, code, message, tmp_path):
                          text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == code, out.stderr
     assert message in out.stdout + out.stderr
+
+
+def test_input_format_and_top_logprobs_options():
+    cfg = parse_config(["in.csv", "out", "--input-format", "csv", "--top-logprobs", "5"])
+    assert cfg.input_format == "csv" and cfg.top_logprobs == 5
+    assert parse_config(["in", "out", "--input-format", "none"]).input_format is None
+    assert cfg.result_fields()["top_logprobs"] == 5  # resume refuses another K
+    with pytest.raises(UsageError, match="'input_format': 'xml' is not one of"):
+        ScoreConfig(input_format="xml")
+    with pytest.raises(UsageError, match="must be >= 0"):
+        ScoreConfig(top_logprobs=-1)
+    with pytest.raises(UsageError, match=r"clash with output columns"):
+        ScoreConfig(keep_columns=("top_ids",))

@@ -41,3 +41,18 @@ def test_read_blocks_follow_max_block_mib(tmp_path):
 def test_buffer_default_scales_with_replicas():
     assert ScoreConfig().buffer_bytes() == (4 * 4 + 16) * 2**20
     assert ScoreConfig(replicas=8, max_block_mib=2).buffer_bytes() == (8 + 128) * 2**20
+
+
+def test_capacity_check_refuses_a_replica_that_cannot_fit():
+    from dsv4batch.pipeline.errors import UsageError
+    from dsv4batch.pipeline.graph import check_capacity
+
+    notes = []
+    gpu = ScoreConfig(gpus_per_replica=1.0)
+    check_capacity(gpu, {"GPU": 8, "accelerator_type:H200": 1}, notes.append)  # tiny fits
+    check_capacity(ScoreConfig(gpus_per_replica=0.0), {}, notes.append)  # CPU: no check
+    check_capacity(gpu, {"GPU": 8}, notes.append)  # unknown GPU: a note, no check
+    assert notes == ["[dsv4batch] note: GPU memory unknown (give --gpu-memory-gib): no "
+                     "capacity check"]
+    with pytest.raises(UsageError, match=r"does not fit one 0.01 GiB GPU per replica"):
+        check_capacity(gpu.replace(gpu_memory_gib=0.01), {"GPU": 8}, notes.append)

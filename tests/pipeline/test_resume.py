@@ -48,3 +48,10 @@ def test_changed_input_files_are_refused_with_derived_ids_and_reported_otherwise
     check_inputs(job, now, derived_ids=False, log=notes.append)
     assert "warning" in notes[0] and "'a.parquet'" in notes[0]
     assert "1 added ['c.parquet'], 1 removed ['b.parquet']" in notes[1]
+
+
+def test_a_changed_top_logprobs_is_refused():
+    cfg = ScoreConfig(input="in", output="out", top_logprobs=4)
+    job = {"input": "in", "result": cfg.result_fields()}
+    with pytest.raises(UsageError, match=r"top_logprobs 4 -> 0"):
+        check_config(job, cfg.replace(top_logprobs=0))

@@ -19,7 +19,8 @@ def test_sink_writes_through_temp_names(tmp_path):
         return pa.table({"id": ids, "num_tokens": pa.array([3] * n, pa.int32()),
                          "num_scored_tokens": pa.array([2] * n, pa.int32()),
                          "logprob_sum": [-1.0] * n, "logprob_mean": [-0.5] * n,
-                         "perplexity": [1.6] * n, "error": pa.array([err] * n, pa.string())},
+                         "perplexity": [1.6] * n, "is_greedy": [False] * n,
+                         "error": pa.array([err] * n, pa.string())},
                         schema=schema)
     sink = ParquetPartSink(str(tmp_path / "out"), run_id="r1")
     sink.on_write_start()

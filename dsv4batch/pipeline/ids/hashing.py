@@ -49,3 +49,11 @@ def row_index(path: str, hashes) -> np.ndarray:
         rows = unmix64(np.asarray(hashes, np.uint64)) - np.uint64(path_seed(path))
     # another hash function would leave random 64-bit numbers here, not row positions
     return np.where(rows < 2**48, rows, np.uint64(2**64 - 1)).astype(np.int64)
+
+
+def row_hash(path: str, start: int, n: int) -> np.ndarray:
+    """Ray Data's Parquet row hashes [n] uint64 of rows start .. start + n - 1 of `path` (the
+    JSONL/CSV reader gives its rows the same, so `row_index` and resume treat every format alike)."""
+    rows = np.arange(start, start + n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return mix64(rows + np.uint64(path_seed(path)))

@@ -61,46 +61,67 @@ def partition_of(ids, parts: int):
 
 
 def read_keys(batch, filesystem, id_column: str | None, root: str, parts: int, id_type,
-              output: bool = False):
+              output: bool = False, fmt: str = "parquet", text_columns: tuple = ()):
     """Files -> blocks of (id, in, done, key, partition), streamed one chunk at a time.
 
     Ids are cast to `id_type` (INPUT's one id type). INPUT files: in=1, done=0, key = file
     index << 40 | row position; with `id_column` None the ids are derived like
     `derive.DeriveIds` ('<file>:<row>'). OUTPUT part files (`output`): in=0, done=1, key=-1. Reading the id column with
     pyarrow in plain tasks gives row positions directly and starts much faster than
-    `ray.data.read_parquet` for a scan of one column.
+    `ray.data.read_parquet` for a scan of one column. JSONL/CSV files (`fmt`) are streamed
+    with the readers and options `formats` shares with Ray's read; their row counts (`rows`,
+    from the driver's scan) give derived ids without reading them again.
     """
     import numpy as np
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     side = 0 if output else 1
-    for path, index in zip(batch["path"].to_pylist(), batch["index"].to_pylist()):
-        with filesystem.open_input_file(path) as fh:
-            pf, offset = pq.ParquetFile(fh), 0
-            if id_column is None:  # derived ids: only the row count is needed
-                total = pf.metadata.num_rows
-                chunks = (range(o, min(o + CHUNK_ROWS, total)) for o in range(0, total, CHUNK_ROWS))
-                rel = relative(root, path)
-                chunks = (pa.array(derived_ids(rel, c), pa.string()) for c in chunks)
-            else:
-                chunks = (b.column(0) for b in pf.iter_batches(CHUNK_ROWS, columns=[id_column]))
-            for ids in chunks:
-                n = len(ids)
-                ids = ids.cast(id_type)
-                keys = ((index << KEY_SHIFT) + offset + np.arange(n, dtype=np.int64) if side
-                        else np.full(n, -1, np.int64))
-                offset += n
-                yield pa.table({S.ID: ids, IN: pa.array(np.full(n, side, np.int64)),
-                                DONE: pa.array(np.full(n, 1 - side, np.int64)),
-                                KEY: pa.array(keys), PART: pa.array(partition_of(ids, parts))})
+    rows = batch["rows"].to_pylist() if "rows" in batch.column_names else None
+    for i, (path, index) in enumerate(zip(batch["path"].to_pylist(),
+                                          batch["index"].to_pylist())):
+        offset = 0
+        for ids in _id_chunks(filesystem, path, fmt, id_column, root, rows[i] if rows else None,
+                              text_columns):
+            n = len(ids)
+            ids = ids.cast(id_type)
+            keys = ((index << KEY_SHIFT) + offset + np.arange(n, dtype=np.int64) if side
+                    else np.full(n, -1, np.int64))
+            offset += n
+            yield pa.table({S.ID: ids, IN: pa.array(np.full(n, side, np.int64)),
+                            DONE: pa.array(np.full(n, 1 - side, np.int64)),
+                            KEY: pa.array(keys), PART: pa.array(partition_of(ids, parts))})
 
 
-def _files(paths: list[str], **kwargs):
-    """A dataset of the files to read (path, index), a few per read task."""
+def _id_chunks(fs, path: str, fmt: str, id_column: str | None, root: str, rows, text_columns):
+    """One file's ids [n] in row order, a chunk at a time (derived from `rows` or the footer
+    when `id_column` is None)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dsv4batch.pipeline.formats import iter_tables
+
+    if id_column is None and rows is not None:
+        rel = relative(root, path)
+        for o in range(0, rows, CHUNK_ROWS):
+            yield pa.array(derived_ids(rel, range(o, min(o + CHUNK_ROWS, rows))), pa.string())
+        return
+    if fmt != "parquet":
+        yield from (t.column(0) for t in iter_tables(fs, path, fmt, text_columns, [id_column]))
+        return
+    with fs.open_input_file(path) as fh:
+        pf = pq.ParquetFile(fh)
+        if id_column is None:  # derived ids: only the row count is needed
+            yield from _id_chunks(fs, path, fmt, None, root, pf.metadata.num_rows, ())
+            return
+        yield from (b.column(0) for b in pf.iter_batches(CHUNK_ROWS, columns=[id_column]))
+
+
+def _files(paths: list[str], rows: list[int] | None = None, **kwargs):
+    """A dataset of the files to read (path, index[, rows]), a few per read task."""
     import ray
 
-    items = [{"path": p, "index": i} for i, p in enumerate(paths)]
+    items = [{"path": p, "index": i, **({"rows": rows[i]} if rows else {})}
+             for i, p in enumerate(paths)]
     return ray.data.from_items(items).map_batches(
         read_keys, fn_kwargs=kwargs, batch_format="pyarrow", batch_size=FILES_PER_TASK)
 
@@ -152,8 +173,10 @@ def scan_ids(config: ScoreConfig, info, done_files: list[str], done_rows: int,
     derive = config.id_column not in info.schema.names
     parts = max(1, math.ceil(((info.num_rows or 0) + done_rows) / ROWS_PER_PARTITION))
     expected = info.id_type
-    ds = _files(info.files, filesystem=info.filesystem, root=info.root, parts=parts,
-                id_column=None if derive else config.id_column, id_type=expected)
+    text = info.format != "parquet"
+    ds = _files(info.files, info.file_rows if text else None, filesystem=info.filesystem,
+                root=info.root, parts=parts, id_column=None if derive else config.id_column,
+                id_type=expected, fmt=info.format, text_columns=info.text_columns)
     if done_files:
         if id_type is not None and S.id_kind(id_type) != S.id_kind(expected):
             raise UsageError(f"OUTPUT's ids have type {id_type}, INPUT's {expected}: OUTPUT is "

@@ -35,5 +35,6 @@ def load_engine(config: ScoreConfig, num_gpus: float):
         torch.set_num_threads(config.torch_threads)
     dtype = torch_dtype(config.dtype, device)
     engine = Engine.from_pretrained(config.model, device=device, dtype=dtype,
-                                    config=EngineConfig(**config.engine_kwargs()))
+                                    config=EngineConfig(**config.engine_kwargs()),
+                                    weights=config.weights_dtype)
     return engine, device, str(dtype).removeprefix("torch.")

@@ -2,8 +2,9 @@
 
 The model is loaded once in `__init__`; each call takes a tokenized Arrow batch, lets the engine
 pack its requests into forward steps of at most `max_batched_tokens` query tokens (long requests
-span steps, short ones share one) with planned prefill chunks, and returns one output row per
-input row. Per-batch stats go to the driver's `StatsCollector` (when given) and to
+span steps, short ones share one) with planned prefill chunks (`Engine.score_details`: per
+position the logprob, whether the token was the argmax, and the top `--top-logprobs` tokens),
+and returns one output row per input row. Per-batch stats go to the driver's `StatsCollector` (when given) and to
 `ray.util.metrics`. A request the model rejects becomes that row's `error`, not a failed batch.
 
 Faults: an attempt where the engine fails for every row raises `BatchError`, which Ray Data
@@ -39,8 +40,8 @@ class ScoringActor:
         truncated = config.truncate != "none"
         reads = (S.ID, S.INPUT_IDS, S.NUM_SCORED, *([S.NUM_TRUNCATED] if truncated else []),
                  S.ERROR, *config.keep_columns)
-        return S.StageSpec("score", reads,
-                           tuple(S.output_names(config.token_logprobs, truncated)))
+        return S.StageSpec("score", reads, tuple(S.output_names(
+            config.token_logprobs, truncated, config.top_logprobs)))
 
     def __init__(self, config: ScoreConfig, stats: Any = None, num_gpus: float = 0.0):
         t0 = time.perf_counter()
@@ -84,7 +85,7 @@ class ScoringActor:
         ids, scored, errors = read_requests(batch)
         incoming = [e is not None for e in errors]
         lengths = [len(x) for x in ids]
-        logprobs: list = [None] * batch.num_rows
+        results: list = [None] * batch.num_rows  # per row: `TokenScores` of its scored tokens
         row_ids = batch[S.ID].to_pylist()
         key, isolate = self.guard.begin(row_ids)
         model_stats = StepStats()
@@ -97,13 +98,13 @@ class ScoringActor:
                     if scored[i] > 0:
                         todo.append(i)
                     else:  # e.g. empty text: nothing to score, zero scored tokens, no error
-                        logprobs[i] = ids[i][:0].astype("float32")
+                        results[i] = no_scores(self.config.top_logprobs)
             try:
-                model_stats = self._score(ids, scored, todo, logprobs, errors)
+                model_stats = self._score(ids, scored, todo, results, errors)
             except Exception as exc:
                 self.guard.failed(key, row_error(exc))
                 raise BatchError(f"batch from id {row_ids[0]!r}: {row_error(exc)}") from exc
-        out = build_output(batch, lengths, scored, logprobs, errors, self.config)
+        out = build_output(batch, lengths, scored, results, errors, self.config)
         ok = [i for i in range(batch.num_rows) if errors[i] is None]
         failed = [i for i in range(batch.num_rows) if errors[i] is not None and not incoming[i]]
         stats = BatchStats(**model_stats.to_dict(), batches=1, rows=batch.num_rows,
@@ -119,8 +120,9 @@ class ScoringActor:
                        errors[failed[0]] if failed else None, bool(isolate))
         return out
 
-    def _score(self, ids, scored, todo, logprobs, errors) -> StepStats:
-        """Score rows `todo` in one engine call; if it fails, row by row to isolate the cause."""
+    def _score(self, ids, scored, todo, results, errors) -> StepStats:
+        """Score rows `todo` in one engine call; if it fails, row by row to isolate the cause.
+        Sets `results[i]` to the `TokenScores` of row i's last `scored[i]` positions."""
         if not todo:
             return StepStats()
         try:
@@ -130,19 +132,20 @@ class ScoringActor:
             for i in todo:
                 try:
                     out, one = self._call([ids[i]])
-                    logprobs[i], stats = out[0][-int(scored[i]):], stats + one
+                    results[i], stats = tail(out[0], int(scored[i])), stats + one
                 except Exception as exc:  # noqa: PERF203 - isolate the failing rows
                     errors[i] = row_error(exc)
                     failures.append(exc)
             if len(failures) == len(todo) and not isinstance(failures[0], ValueError):
                 raise failures[0]  # the engine itself is broken: let Ray retry/restart
             return stats
-        for i, lp in zip(todo, outs):
-            logprobs[i] = lp[-int(scored[i]):]
+        for i, ts in zip(todo, outs):
+            results[i] = tail(ts, int(scored[i]))
         return stats
 
     def _call(self, requests) -> tuple[list, StepStats]:
-        outs, stats = self.engine.score([r.tolist() for r in requests])
+        outs, stats = self.engine.score_details([r.tolist() for r in requests],
+                                                top_k=self.config.top_logprobs)
         if len(outs) != len(requests):
             raise RuntimeError(f"model returned {len(outs)} results for {len(requests)} requests")
         return outs, stats
@@ -162,11 +165,45 @@ def read_requests(batch):
     return ids, scored, batch[S.ERROR].to_pylist()
 
 
-def build_output(batch, lengths, scored, logprobs, errors, config):
+def tail(scores, n: int):
+    """The last `n` positions of a `TokenScores` (each field [len - 1, ...] cut alike)."""
+    return type(scores)(*(f[len(f) - n:] for f in scores))
+
+
+def no_scores(top_k: int):
+    """The `TokenScores` of a row with nothing to score (zero positions)."""
+    import numpy as np
+
+    from dsv4batch.model import TokenScores
+
+    return TokenScores(logprobs=np.zeros(0, np.float32), is_greedy=np.zeros(0, bool),
+                       top_ids=np.zeros((0, top_k), np.int32),
+                       top_logprobs=np.zeros((0, top_k), np.float32))
+
+
+def nested(rows, k: int, pa_type):
+    """list<list<pa_type>> from per-row arrays [n_i, k] (None: a null row)."""
+    import numpy as np
+    import pyarrow as pa
+
+    valid = [r is not None for r in rows]
+    counts = np.array([len(r) if r is not None else 0 for r in rows], np.int64)
+    outer = np.zeros(len(rows) + 1, np.int32)
+    np.cumsum(counts, out=outer[1:])
+    parts = [np.asarray(r).reshape(-1, k) for r in rows if r is not None]
+    flat = np.concatenate(parts) if parts else np.zeros((0, k), pa_type.to_pandas_dtype())
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(0, flat.size + 1, k, dtype=np.int32)),
+                                     pa.array(flat.reshape(-1), pa_type))
+    return pa.ListArray.from_arrays(pa.array(outer), inner,
+                                    mask=pa.array(~np.array(valid, bool)))
+
+
+def build_output(batch, lengths, scored, results, errors, config):
     """Output table in `schema.output_schema` order for `config` (a `ScoreConfig`).
 
-    lengths[i]: tokens fed for row i (0 when errored); logprobs[i]: the row's scored log-probs
-    (a float32 array of length scored[i]) or None when the row has an error.
+    lengths[i]: tokens fed for row i (0 when errored); results[i]: the `TokenScores` of the
+    row's scored positions (logprobs float32 [scored[i]], is_greedy bool [scored[i]], top_ids
+    int32 / top_logprobs float32 [scored[i], top_logprobs]) or None when the row has an error.
     """
     import numpy as np
     import pyarrow as pa
@@ -174,9 +211,11 @@ def build_output(batch, lengths, scored, logprobs, errors, config):
     n = batch.num_rows
     sums = np.full(n, np.nan)
     valid = np.zeros(n, bool)
-    for i, lp in enumerate(logprobs):
-        if lp is not None and errors[i] is None:
-            sums[i] = float(np.sum(lp, dtype=np.float64))
+    greedy = np.zeros(n, bool)
+    for i, r in enumerate(results):
+        if r is not None and errors[i] is None:
+            sums[i] = float(np.sum(r.logprobs, dtype=np.float64))
+            greedy[i] = bool(np.all(r.is_greedy))
             valid[i] = True
     num_scored = np.where(valid, scored, 0).astype(np.int32)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -190,11 +229,18 @@ def build_output(batch, lengths, scored, logprobs, errors, config):
         "logprob_sum": pa.array(sums, mask=~valid),
         "logprob_mean": pa.array(means, mask=~has_mean),
         "perplexity": pa.array(ppl, mask=~has_mean),
+        "is_greedy": pa.array(greedy, mask=~valid),
     }
     if config.token_logprobs:
         cols[S.TOKEN_LOGPROBS] = pa.array(
-            [lp.astype(np.float32) if v else None for lp, v in zip(logprobs, valid)],
+            [r.logprobs.astype(np.float32) if v else None for r, v in zip(results, valid)],
             pa.list_(pa.float32()))
+    if config.top_logprobs:
+        k = config.top_logprobs
+        cols[S.TOP_IDS] = nested([r.top_ids if v else None for r, v in zip(results, valid)],
+                                 k, pa.int32())
+        cols[S.TOP_LOGPROBS] = nested(
+            [r.top_logprobs if v else None for r, v in zip(results, valid)], k, pa.float32())
     if config.truncate != "none":  # tokens dropped to fit max_model_len (0: the row fit)
         cols[S.TRUNCATED] = batch[S.NUM_TRUNCATED]
     cols[S.ERROR] = pa.array(errors, pa.string())

@@ -151,3 +151,78 @@ def test_failed_rows_past_the_limit_stop_the_job(checkpoint):
     with pytest.raises(TooManyErrors, match=r"2 rows failed scoring, more than "
                        r"max_errored_rows=1 \(e.g. batch from id 1: ValueError: .*vocab"):
         actor(Tokenize(cfg)(pa.table({"id": [4], "prompt": ["next"]})))
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    """transformers' DeepseekV4ForCausalLM (fp32, eager) on the same checkpoint: the
+    independent argmax and top-K."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype="float32",
+                                                attn_implementation="eager").eval()
+
+
+def hf_logits(model, ids):
+    """log_softmax of transformers' logits [len(ids) - 1, vocab] predicting ids[1:]."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def with_ids(tokenized, rows: list[list[int]], scored: list[int]):
+    """`tokenized` with its requests replaced by `rows` (scoring their last `scored` ids)."""
+    for name, values, kind in ((S.INPUT_IDS, rows, pa.list_(pa.int32())),
+                               (S.NUM_SCORED, scored, pa.int32())):
+        tokenized = tokenized.set_column(tokenized.schema.get_field_index(name), name,
+                                         pa.array(values, kind))
+    return tokenized
+
+
+def test_is_greedy_and_top_logprobs_match_transformers_argmax(checkpoint, engine, hf_model):
+    k = 5
+    cfg = ScoreConfig(model=checkpoint, target_column="answer", token_logprobs=True,
+                      top_logprobs=k)
+    prompt = [0, *engine.tokenizer.encode("The capital of France is", add_special_tokens=False).ids]
+    greedy = list(prompt)
+    for _ in range(3):  # three tokens transformers' model picks greedily
+        greedy.append(int(hf_logits(hf_model, [*greedy, 0])[-1].argmax()))
+    second = int(hf_logits(hf_model, greedy)[-1].topk(2).indices[1])
+    text = [0, *engine.tokenizer.encode("Ray Data streams blocks of rows.",
+                                        add_special_tokens=False).ids]
+    # greedy target; its last token the runner-up; a plain text; nothing scored; a null prompt
+    rows, scored = [greedy, [*greedy[:-1], second], text, [0], []], [3, 3, len(text) - 1, 0, 0]
+    table = pa.table({"id": [1, 2, 3, 4, 5], "prompt": ["x"] * 4 + [None], "answer": ["y"] * 5})
+    out = ScoringActor(cfg)(with_ids(Tokenize(cfg)(table), rows, scored))
+    assert out.schema.equals(S.output_schema(pa.int64(), True, top_logprobs=k))
+    got = out.to_pylist()
+    assert (got[0]["is_greedy"], got[1]["is_greedy"], got[3]["is_greedy"]) == (True, False, True)
+    assert got[4]["error"] == "null text"
+    assert got[4]["is_greedy"] is None and got[4]["top_ids"] is None and got[4]["top_logprobs"] is None
+    for r, ids, n in zip(got[:4], rows, scored):
+        assert r["error"] is None and len(r["top_ids"]) == len(r["top_logprobs"]) == n
+        if not n:
+            continue
+        ref = hf_logits(hf_model, ids)[-n:]
+        targets = ids[-n:]
+        argmax = ref.argmax(-1).tolist()
+        assert r["is_greedy"] == all(a == t for a, t in zip(argmax, targets))
+        for t, (tid, tlp, lp) in enumerate(zip(r["top_ids"], r["top_logprobs"], r["token_logprobs"])):
+            assert len(tid) == len(tlp) == k and tlp == sorted(tlp, reverse=True)
+            assert tid[0] == argmax[t]  # the model's top token is transformers' argmax
+            np.testing.assert_allclose(tlp, ref[t].topk(k).values.numpy(), atol=1e-4)
+            assert lp <= tlp[0] + 1e-5  # no token is likelier than the top one
+            if targets[t] in tid:  # the target's own logprob, listed, is token_logprobs'
+                assert abs(tlp[tid.index(targets[t])] - lp) <= 1e-4
+
+
+def test_output_of_errored_rows_keeps_the_schema():
+    from dsv4batch.pipeline.stages.score import build_output
+
+    cfg = ScoreConfig(top_logprobs=2, token_logprobs=True)
+    batch = pa.table({"id": [1, 2]})
+    out = build_output(batch, [0, 0], [0, 0], [None, None], ["null text", "too long"], cfg)
+    assert out.schema.equals(S.output_schema(pa.int64(), True, top_logprobs=2))
+    assert out["is_greedy"].to_pylist() == [None, None] == out["top_ids"].to_pylist()

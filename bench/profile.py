@@ -1,0 +1,260 @@
+"""Where the engine's time goes: torch.profiler per-op and per-layer tables, plus two speed checks.
+
+`python -m dsv4batch.bench profile --json` profiles one `Engine.score` call per model and case
+and prints (1) the top ops by self CPU time and (2) labelled regions: per layer its attention,
+compressor(s), indexer queries / top-k and MoE, and step-wide ones (step context = layouts and
+plans, carry = carried-state concatenation, kernel = `sparse_mla_prefill`, hc = mHC, head). Region
+times are inclusive wall times of the range (nested regions overlap their parent).
+
+Cases: `mixedN` = N short requests (16-255 tokens, seeded), `singleN` = one N-token request.
+`--compare`: engine vs transformers on the same cases (end to end and decoder stack only,
+interleaved, best of `--repeats`; reuses `bench.forward`'s pair and timing helpers).
+`--scaling 1024,4096,...`: one request per length, microseconds per token (end to end), the
+indexer's share and the peak resident memory of the call (VmHWM after resetting it).
+`--gemm`: this machine's fp32 GEMM rate next to the head's achieved rate (same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from bench.common import best_of, emit, random_prompts
+
+TYPE = {1: "swa", 4: "c4", 128: "c128"}
+
+
+def case_lengths(name: str) -> list[int]:
+    """`mixed32` -> 32 seeded short lengths in [16, 256); `single2048` -> [2048]."""
+    if name.startswith("mixed"):
+        return np.random.default_rng(int(name[5:])).integers(16, 256, size=int(name[5:])).tolist()
+    if name.startswith("single"):
+        return [int(name[6:])]
+    raise ValueError(f"unknown case {name!r} (mixedN or singleN)")
+
+
+def build_engine(model_name: str, config):
+    """Our engine alone (no transformers twin): `tiny` or the `dsv4-shape` seeded model."""
+    from dsv4batch.model import TINY, DSv4Model, Engine
+    from dsv4batch.model.tiny import seed_weights
+
+    if model_name == TINY:
+        return Engine.from_pretrained(TINY, config=config)
+    from bench.forward import dsv4_shape_config
+
+    model = DSv4Model(dsv4_shape_config())
+    seed_weights(model)
+    return Engine(model, config)
+
+
+class Regions:
+    """Wraps callables so each call runs inside `record_function(label)` and adds to `seconds`."""
+
+    def __init__(self):
+        self.seconds, self.calls, self._undo = {}, {}, []
+
+    def wrap(self, owner, attr: str, label: str):
+        if not hasattr(owner, attr):
+            return
+        fn, had_own = getattr(owner, attr), attr in vars(owner)
+        regions = self
+
+        def wrapped(*args, **kwargs):
+            t0 = time.perf_counter()
+            with torch.profiler.record_function(label):
+                out = fn(*args, **kwargs)
+            regions.seconds[label] = regions.seconds.get(label, 0.0) + time.perf_counter() - t0
+            regions.calls[label] = regions.calls.get(label, 0) + 1
+            return out
+
+        setattr(owner, attr, wrapped)
+        self._undo.append((owner, attr, fn if had_own else None))
+
+    def restore(self):
+        for owner, attr, fn in reversed(self._undo):
+            if fn is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, fn)
+        self._undo.clear()
+
+
+@contextmanager
+def annotated(engine):
+    """Install every region of `engine`'s model (and step/kernel helpers); undone on exit."""
+    import dsv4batch.model.attention as attention
+    import dsv4batch.model.engine as engine_mod
+    import dsv4batch.model.model as model_mod
+    import dsv4batch.model.step as step
+
+    regions, model = Regions(), engine.model
+    regions.wrap(engine_mod, "StepContext", "step.context")
+    for name in ("cache_in", "carry", "carry_entries", "store"):
+        regions.wrap(step.StepContext, name, "step.carry")
+    regions.wrap(attention, "sparse_mla_prefill", "kernel")
+    regions.wrap(model_mod, "hc_pre", "hc")
+    regions.wrap(model_mod, "hc_post", "hc")
+    regions.wrap(model, "token_logprobs", "head")
+    for i, layer in enumerate(model.layers):
+        tag = f"L{i}.{TYPE.get(layer.ratio, layer.ratio)}"
+        attn = layer.attn
+        regions.wrap(attn, "forward", f"{tag}.attn")
+        regions.wrap(layer.ffn, "forward", f"{tag}.moe")
+        if attn.compressor is not None:
+            regions.wrap(attn.compressor, "forward", f"{tag}.compressor")
+        if attn.indexer is not None:
+            regions.wrap(attn.indexer.compressor, "forward", f"{tag}.indexer.compressor")
+            regions.wrap(attn.indexer, "queries", f"{tag}.indexer.queries")
+            regions.wrap(attn, "sparse_indices", f"{tag}.indexer.topk")
+    try:
+        yield regions
+    finally:
+        regions.restore()
+
+
+def profile_case(engine, batch, rows: int) -> dict:
+    """One profiled `score(batch)` after a warm-up: top ops, regions, per-layer summary."""
+    engine.score(batch)
+    wall = best_of(lambda: engine.score(batch), 1)
+    with annotated(engine) as regions:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            engine.score(batch)
+            profiled = time.perf_counter() - t0
+    events = prof.key_averages()
+    labels = set(regions.seconds)
+    ops = sorted((e for e in events if e.key not in labels), key=lambda e: -e.self_cpu_time_total)
+    op_total = sum(e.self_cpu_time_total for e in ops) / 1e6
+    table = [{"op": e.key, "calls": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 1),
+              "share": round(e.self_cpu_time_total / 1e6 / profiled, 4)} for e in ops[:rows]]
+    regs = {k: {"calls": regions.calls[k], "ms": round(1e3 * v, 1), "share": round(v / profiled, 4)}
+            for k, v in sorted(regions.seconds.items(), key=lambda kv: -kv[1])}
+    layers = {}
+    for label, secs in regions.seconds.items():
+        if label.startswith("L"):
+            layer, part = label.split(".", 2)[:2], label.split(".", 2)[2]
+            layers.setdefault(".".join(layer), {})[part] = round(1e3 * secs, 1)
+    return {"tokens": sum(len(ids) - 1 for ids in batch), "wall_s": round(wall, 4),
+            "profiled_wall_s": round(profiled, 4), "op_self_s": round(op_total, 4),
+            "outside_ops_share": round(1 - op_total / profiled, 4), "ops": table, "regions": regs,
+            "layers": dict(sorted(layers.items(), key=lambda kv: int(kv[0].split(".")[0][1:])))}
+
+
+def compare_case(ours, hf, batch, repeats: int) -> dict:
+    """Engine vs transformers on one batch, end to end and decoder stack only (bench.forward's way)."""
+    from bench.forward import hf_score, ours_layers
+
+    tokens = sum(len(ids) - 1 for ids in batch)
+    ours.score(batch)
+    t = {k: float("inf") for k in ("ours", "hf", "ours_layers", "hf_layers")}
+    for _ in range(repeats):
+        t["ours"] = min(t["ours"], best_of(lambda: ours.score(batch), 1))
+        t["hf"] = min(t["hf"], best_of(lambda: hf_score(hf, batch), 1))
+        t["ours_layers"] = min(t["ours_layers"], best_of(lambda: ours_layers(ours, batch), 1))
+        t["hf_layers"] = min(t["hf_layers"], best_of(lambda: hf_score(hf, batch, head=False), 1))
+    return {"requests": len(batch), "tokens": tokens, "ours_tok_s": round(tokens / t["ours"], 1),
+            "hf_tok_s": round(tokens / t["hf"], 1), "speedup": round(t["hf"] / t["ours"], 2),
+            "ours_layers_tok_s": round(tokens / t["ours_layers"], 1),
+            "hf_layers_tok_s": round(tokens / t["hf_layers"], 1),
+            "layers_speedup": round(t["hf_layers"] / t["ours_layers"], 2)}
+
+
+def rss_mib(field: str) -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def scaling(engine, lengths, repeats: int) -> dict:
+    """Per-token cost and peak memory of one request per length (end to end, head included).
+
+    Best of `repeats` by process CPU time (on a shared machine the least disturbed run; the wall
+    time of that run is reported next to it). Shares are of that run's wall time."""
+    rows = {}
+    for n in lengths:
+        batch = random_prompts([n], engine.model.config.vocab_size, seed=n)
+        engine.score(batch)
+        before = rss_mib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as fh:  # resets VmHWM (peak RSS) to the current RSS
+            fh.write("5")
+        best = None
+        for _ in range(repeats):
+            with annotated(engine) as regions:
+                w0, c0 = time.perf_counter(), time.process_time()
+                stats = engine.score(batch)[1]
+                wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            if best is None or cpu < best[1]:
+                best = (wall, cpu, dict(regions.seconds), stats)
+        wall, cpu, secs, stats = best
+        rows[str(n)] = {"us_per_token": round(1e6 * cpu / (n - 1), 1),
+                        "wall_us_per_token": round(1e6 * wall / (n - 1), 1),
+                        "indexer_share": round(sum(v for k, v in secs.items() if ".indexer." in k) / wall, 4),
+                        "kernel_share": round(secs.get("kernel", 0.0) / wall, 4),
+                        "head_share": round(secs.get("head", 0.0) / wall, 4),
+                        "steps": stats.num_steps, "peak_rss_growth_mib": round(rss_mib("VmHWM") - before, 1),
+                        "peak_workspace_mib": round(stats.peak_workspace_bytes / 2**20, 2)}
+    first = rows[str(lengths[0])]["us_per_token"]
+    for row in rows.values():
+        row["vs_first"] = round(row["us_per_token"] / first, 3)
+    return rows
+
+
+def gemm_rates(engine, repeats: int) -> dict:
+    """fp32 GEMM GFLOP/s (2048^3 and the head's own tile shape) vs the head's achieved rate."""
+    model = engine.model
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    square = 2 * 2048 ** 3 / best_of(lambda: torch.mm(a, b), repeats + 1)
+    rows = engine.config.logits_slice
+    h = torch.randn(rows * 4, hidden)
+    targets = torch.randint(0, vocab, (rows * 4,))
+    with torch.inference_mode():
+        model.token_logprobs(h, targets, rows)
+        head = 2 * h.shape[0] * hidden * vocab / best_of(lambda: model.token_logprobs(h, targets, rows), repeats)
+        w = model.head.weight
+        plain = 2 * rows * hidden * vocab / best_of(lambda: torch.mm(h[:rows], w.t()), repeats)
+    return {"gemm_2048_gflops": round(square / 1e9, 1), "head_shape_gemm_gflops": round(plain / 1e9, 1),
+            "head_gflops": round(head / 1e9, 1), "head_fraction_of_2048": round(head / square, 3),
+            "head_fraction_of_head_shape_gemm": round(head / plain, 3)}
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(prog="python -m dsv4batch.bench profile")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--models", default="tiny,dsv4-shape")
+    parser.add_argument("--cases", default="mixed16,mixed32,single2048")
+    parser.add_argument("--rows", type=int, default=15, help="top ops listed per case")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--compare", action="store_true", help="engine vs transformers instead of profiles")
+    parser.add_argument("--scaling", default="", help="lengths for the per-token table, e.g. 1024,4096")
+    parser.add_argument("--gemm", action="store_true", help="measure GEMM rates and the head's fraction")
+    args = parser.parse_args(argv)
+    from dsv4batch.model import EngineConfig
+
+    max_len = max([16384] + [int(n) for n in args.scaling.split(",") if n])
+    config = EngineConfig(max_num_batched_tokens=4096, max_model_len=max_len)
+    result = {"bench": "profile", "threads": torch.get_num_threads(), "models": {}}
+    for model_name in args.models.split(","):
+        out = result["models"].setdefault(model_name, {})
+        if args.compare:
+            from bench.forward import build_pair
+
+            ours, hf = build_pair(model_name, config)
+        else:
+            ours, hf = build_engine(model_name, config), None
+        for case in args.cases.split(",") if args.cases else []:
+            batch = random_prompts(case_lengths(case), ours.model.config.vocab_size, seed=len(case))
+            out[case] = compare_case(ours, hf, batch, args.repeats) if args.compare \
+                else profile_case(ours, batch, args.rows)
+        if args.scaling:
+            out["scaling"] = scaling(ours, [int(n) for n in args.scaling.split(",")], args.repeats)
+        if args.gemm:
+            out["gemm"] = gemm_rates(ours, args.repeats)
+        del ours, hf
+    emit(result, args.json)

@@ -1,0 +1,61 @@
+"""Ray Data's JSON and CSV readers, with the `row_hash` column Ray gives only Parquet rows.
+
+Derived ids (`<file>:<row>`) and `--resume` locate a row by its file (`path`, from
+`include_paths`) and its position in the file, which `read_parquet(include_row_hash=True)`
+encodes as `row_hash` and Ray's other readers do not provide. Ray reads each file whole in one
+read task, in order, so the datasources below (Ray's own `ArrowJSONDatasource` and
+`CSVDatasource`, reading as they do) count the rows of each file as its blocks come out and
+append the same hash Ray computes for Parquet (`ids.hashing.row_hash`). A retried read replays
+a file from its start, so the positions are the same on every attempt.
+"""
+
+from __future__ import annotations
+
+from ray.data._internal.datasource.csv_datasource import CSVDatasource
+from ray.data._internal.datasource.json_datasource import ArrowJSONDatasource
+
+from dsv4batch.pipeline import formats as F
+from dsv4batch.pipeline.ids.hashing import row_hash
+
+
+class _Positions:
+    """Mixin for a `FileBasedDatasource`: `row_hash` on every block when `located`."""
+
+    located = False
+
+    def _read_stream(self, f, path: str):
+        import pyarrow as pa
+
+        start = 0
+        for block in super()._read_stream(f, path):
+            n = block.num_rows
+            if self.located:
+                block = block.append_column("row_hash", pa.array(row_hash(path, start, n)))
+            start += n
+            yield block
+
+
+class JSONLSource(_Positions, ArrowJSONDatasource):
+    """`ray.data.read_json`'s pyarrow reader (one JSON object per line) + `row_hash`."""
+
+
+class CSVSource(_Positions, CSVDatasource):
+    """`ray.data.read_csv`'s reader + `row_hash`."""
+
+
+def read_text(files: list[str], info, columns: list[str], located: bool):
+    """A Ray dataset of `columns` of JSONL/CSV `files` (an `InputInfo`'s format and options),
+    plus `path` and `row_hash` when `located`."""
+    import ray
+
+    common = dict(filesystem=info.filesystem, include_paths=located, file_extensions=None,
+                  partitioning=None)
+    if info.format == "json":
+        source = JSONLSource(files, arrow_json_args={
+            "read_options": F.json_read_options(info.longest_line)}, **common)
+    else:
+        source = CSVSource(files, arrow_csv_args=F.csv_options(info.text_columns, columns),
+                           **common)
+    source.located = located
+    ds = ray.data.read_datasource(source)
+    return ds.select_columns([*columns, *(["path", "row_hash"] if located else [])])

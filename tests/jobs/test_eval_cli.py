@@ -1,0 +1,41 @@
+"""`dsv4batch eval` refusals: exit 2 with the reason, before the model is loaded."""
+
+import pytest
+
+from dsv4batch.jobs.score import main
+from tests.eval.tasks import write_tasks
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tasks")
+    write_tasks(folder, [{"context": "a", "continuation": " b"}])
+    return str(folder)
+
+
+def run(capsys, *argv):
+    code = main(["eval", *map(str, argv)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_usage_errors_exit_2(tasks, checkpoint, capsys, tmp_path):
+    code, text = run(capsys, "--help")
+    assert code == 0 and "--include-path" in text and "--log-samples" in text
+    code, text = run(capsys, "--model", "tiny")
+    assert code == 2 and "--tasks" in text
+    code, text = run(capsys, "--model", "tiny", "--tasks", "tiny_mcq", "--include-path", tasks)
+    assert code == 2 and "unknown task(s): tiny_mcq (did you mean 'tiny_mc'?)" in text
+    code, text = run(capsys, "--model", "tiny", "--tasks", "tiny_mc,tiny_gen", "--include-path",
+                     tasks)
+    assert code == 2 and "does not generate: generate_until (generative tasks: tiny_gen)" in text
+    code, text = run(capsys, "--model", str(tmp_path / "nope"), "--tasks", "tiny_mc",
+                     "--include-path", tasks)
+    assert code == 2 and "model" in text and "nope" in text
+
+
+def test_tiny_model_runs_a_task_and_prints_the_table(tasks, capsys):
+    code, text = run(capsys, "--model", "tiny", "--tasks", "tiny_mc", "--include-path", tasks,
+                     "--limit", "2")
+    assert code == 0, text
+    assert "|tiny_mc|" in text.replace(" ", "") and "acc_norm" in text

@@ -1,0 +1,45 @@
+"""The head's details against a full-vocabulary log-softmax computed independently."""
+
+import numpy as np
+import torch
+
+from dsv4batch.model.head import tiled_details
+from dsv4batch.model.model import VOCAB_TILE, tiled_logprobs
+
+
+def test_details_match_a_full_log_softmax_and_the_scoring_head():
+    gen = torch.Generator().manual_seed(0)
+    n, hidden, vocab = 19, 32, 5000  # vocab not a multiple of the tile
+    x = torch.randn(n, hidden, generator=gen)
+    weight = torch.randn(vocab, hidden, generator=gen)
+    full = torch.log_softmax(x @ weight.t(), -1)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    targets[:4] = full[:4].argmax(1)  # some greedy positions
+    lp, greedy, ids, top = tiled_details(x, weight, targets, top_k=5, tile=1024)
+    torch.testing.assert_close(lp, full.gather(1, targets[:, None]).squeeze(1), atol=1e-4, rtol=0)
+    assert greedy.tolist() == (targets == full.argmax(1)).tolist() and greedy[:4].all()
+    ref_v, ref_i = full.topk(5, dim=1)
+    assert torch.equal(ids, ref_i)
+    torch.testing.assert_close(top, ref_v, atol=1e-4, rtol=0)
+    assert (top[:, :-1] >= top[:, 1:]).all()
+    # bit-identical to the head Engine.score uses, whatever K
+    same, *_ = tiled_details(x, weight, targets, top_k=0, tile=VOCAB_TILE)
+    assert torch.equal(same, tiled_logprobs(x, weight, targets))
+
+
+def test_engine_score_details_agree_with_score_and_do_not_depend_on_batch_mates(engine):
+    from dsv4batch.model import TokenScores
+
+    reqs = [[0, 5, 9, 200, 17, 3], [0], [0, 44, 45] * 30, [0, 7, 7]]
+    plain, _ = engine.score(reqs)
+    details, stats = engine.score_details(reqs, top_k=3)
+    assert stats.model_calls == 1 and all(isinstance(d, TokenScores) for d in details)
+    for p, d, r in zip(plain, details, reqs):
+        assert (d.logprobs == p).all() and d.logprobs.dtype == np.float32
+        assert d.is_greedy.shape == p.shape and d.top_ids.shape == (len(r) - 1, 3)
+        # the target is greedy exactly when it is the first of the top-K (ties aside)
+        assert (d.is_greedy == (d.top_ids[:, 0] == np.asarray(r[1:]))).all()
+        assert np.allclose(d.top_logprobs[:, 0] >= p, True)
+    alone, _ = engine.score_details([reqs[2]], top_k=3)
+    for a, b in zip(alone[0], details[2]):
+        assert (a == b).all()
