@@ -87,8 +87,8 @@ class Indexer(nn.Module):
         Batch invariance: a block's key count depends on its block-mates, so every step here must
         give a query the same bits whatever that count: GEMMs on >= MIN_ROWS rows and columns
         (BLAS rounds a dot product the same way then), the head sum as elementwise multiply-adds
-        (reductions and [1, h] x [h, E] products change strategy with E), and a top-k over keys
-        without ties (`tie_free_keys`: torch.topk breaks ties by an order that depends on the width).
+        (reductions and [1, h] x [h, E] products change strategy with E), and a top-k whose ties
+        are broken by column (`canonical_topk`: torch.topk's own order depends on the width).
         """
         out = torch.zeros(q.shape[0], width, dtype=torch.long, device=q.device)
         keys_t = torch.cat([keys, keys.new_zeros(MIN_ROWS, keys.shape[1])]).t()
@@ -106,8 +106,22 @@ class Indexer(nn.Module):
             lo = key_lo[a:b, None] - k_lo  # the query's request's first key, block-local
             col = torch.arange(cols, device=q.device)
             scores.masked_fill_((col < lo) | (col >= lo + visible[a:b, None]), float("-inf"))
-            out[a:b, :k] = (tie_free_keys(scores).topk(k, dim=-1).indices - lo).clamp_(min=0)
+            out[a:b, :k] = (canonical_topk(scores, k) - lo).clamp_(min=0)
         return out
+
+
+def canonical_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k column ids [n, k] of scores [n, E], best first, equal scores by lower column.
+
+    torch.topk orders equal values by a width-dependent algorithm; its answer is canonical only
+    when the k + 1 best values of a row are distinct. Rows where they are not (rare: an exact
+    tie, e.g. every head's ReLU 0) are redone over `tie_free_keys`.
+    """
+    vals, picks = scores.topk(min(k + 1, scores.shape[1]), dim=-1)
+    tied = ((vals[:, :-1] == vals[:, 1:]) & torch.isfinite(vals[:, :-1])).any(1).nonzero().squeeze(1)
+    if tied.numel():
+        picks[tied] = tie_free_keys(scores[tied]).topk(picks.shape[1], dim=-1).indices
+    return picks[:, :k]
 
 
 def tie_free_keys(scores: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..planner import plan_step
-from .layout import RatioLayout
+from .layout import RatioLayout, ranges
 from .stats import StepStats
 
 
@@ -43,7 +43,7 @@ class StepContext:
         starts = np.array([s for _, s, _ in segs], np.int64)
         ends = np.array([e for _, _, e in segs], np.int64)
         self.cu = np.concatenate([[0], np.cumsum(ends - starts)])
-        self.positions = torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])).to(device)
+        self.positions = torch.from_numpy(ranges(starts, ends - starts)).to(device)
         self.input_ids = torch.from_numpy(np.concatenate([st.ids[s:e] for st, s, e in segs])).to(device)
         self.continuing = [b for b, (st, _, e) in enumerate(segs) if e < len(st.ids) - 1]
         t0 = time.perf_counter()

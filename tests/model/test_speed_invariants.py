@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4batch.model import TINY, Engine, EngineConfig
-from dsv4batch.model.compressor import tie_free_keys
+from dsv4batch.model.compressor import canonical_topk, tie_free_keys
 from dsv4batch.model.layout import RatioLayout
 from dsv4batch.model.model import tiled_logprobs
 
@@ -73,13 +73,18 @@ def test_batched_indexer_matches_per_request_scoring(tiny):
                 np.testing.assert_allclose(s[got].numpy(), s.topk(k).values.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_tie_free_keys_order_like_floats_and_break_ties_by_column():
+def test_topk_keys_order_like_floats_and_break_ties_by_column():
     scores = torch.tensor([[0.0, -0.0, 1.5, -2.0, float("-inf"), 1.5, -1e-30, 3e38]])
     keys = tie_free_keys(scores)
     order = keys.argsort(descending=True, stable=True)[0].tolist()
     assert order == [7, 2, 5, 0, 1, 6, 3, 4]  # ties (0.0 / -0.0, 1.5 / 1.5): lower column first
     wide = torch.cat([scores, torch.full((1, 100), float("-inf"))], 1)
     assert tie_free_keys(wide).topk(4).indices.tolist() == [[7, 2, 5, 0]]
+    # canonical_topk: plain topk where the best k + 1 are distinct, the tie-free order where not
+    rows = torch.cat([wide, torch.arange(108.0).flip(0)[None]])
+    assert canonical_topk(rows, 4).tolist() == [[7, 2, 5, 0], [0, 1, 2, 3]]
+    zeros = torch.zeros(3, 50)  # all tied: lowest columns, in order, whatever the width
+    assert canonical_topk(zeros, 3).tolist() == [[0, 1, 2]] * 3
 
 
 def test_request_among_short_requests_equals_alone(tiny):
