@@ -16,6 +16,7 @@ from ..kernels import sparse_mla_prefill
 from .compressor import Compressor, Indexer
 from .layers import Linear, RMSNorm, Rope, grouped_linear, inv_rms
 from .layout import combine
+from .parallel import SINGLE
 
 
 class WorkspacePool:
@@ -43,13 +44,18 @@ class WorkspacePool:
 
 
 class Attention(nn.Module):
-    """Native names: wq_a, q_norm, wq_b, wkv, norm (kv), wo_a, wo_b, attn_sink, compressor, indexer."""
+    """Native names: wq_a, q_norm, wq_b, wkv, norm (kv), wo_a, wo_b, attn_sink, compressor, indexer.
 
-    def __init__(self, config, ratio: int):
+    Split by `tp` (`model/parallel.py`): wq_b / attn_sink by heads, wo_a by groups, wo_b by its
+    input columns (the layer's output is all-reduced); everything before the heads is replicated."""
+
+    def __init__(self, config, ratio: int, tp=SINGLE):
         super().__init__()
-        hidden, self.num_heads, self.head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.ratio, self.window, self.eps = ratio, config.sliding_window, config.rms_norm_eps
-        self.groups, eps = config.o_groups, config.rms_norm_eps
+        # with `tp`: this rank's query heads and output groups (a group's heads stay together)
+        hidden, self.head_dim = config.hidden_size, config.head_dim
+        self.num_heads, self.groups = config.num_attention_heads // tp.size, config.o_groups // tp.size
+        self.ratio, self.window, self.eps, self.tp = ratio, config.sliding_window, config.rms_norm_eps, tp
+        eps = config.rms_norm_eps
         self.wq_a = Linear(hidden, config.q_lora_rank)
         self.q_norm = RMSNorm(config.q_lora_rank, eps)
         self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.head_dim)
@@ -111,7 +117,7 @@ class Attention(nn.Module):
         out = Rope.apply(out, cos, -sin)
         grouped = out.view(T, self.groups, -1)
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
-        return self.wo_b(grouped_linear(grouped, w).flatten(1))
+        return self.tp.all_reduce(self.wo_b(grouped_linear(grouped, w).flatten(1)))  # row-parallel wo_b
 
     def sparse_indices(self, chunk, lay, idx_table, iq, iw):
         """CSA combined indices for one chunk: each query's indexer top-k, then its window.

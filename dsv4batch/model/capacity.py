@@ -21,30 +21,16 @@ its memory; `smallest_tp` is the first T of `TP_CHOICES` that divides the split 
 from __future__ import annotations
 
 import math
-import re
 
 from ..planner import chunk_budget
+from .parallel import split_of, split_problems
 
 TP_CHOICES = (1, 2, 4, 8)
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SPLITS = (  # (model tensor name pattern, how it is split across ranks)
-    (re.compile(r"^layers\.\d+\.attn\.(wq_b\.|attn_sink$)"), "heads"),
-    (re.compile(r"^layers\.\d+\.attn\.wo_a\."), "groups"),
-    (re.compile(r"^layers\.\d+\.attn\.wo_b\."), "row_parallel"),
-    (re.compile(r"^layers\.\d+\.ffn\.experts\."), "experts"),
-    (re.compile(r"^layers\.\d+\.ffn\.shared_experts\."), "shared_expert"),
-    (re.compile(r"^(embed|head)\."), "vocab"),
-)
-
-
-def split_of(name: str) -> str | None:
-    """How tensor `name` (a model tensor name) is split across ranks, or None when replicated."""
-    return next((how for pattern, how in SPLITS if pattern.search(name)), None)
-
-
 def weight_bytes(tensor_bytes: dict[str, int]) -> dict:
-    """{"replicated": bytes, "split": {how: bytes}, "split_total": bytes, "total": bytes}."""
+    """{"replicated": bytes, "split": {how: bytes}, "split_total": bytes, "total": bytes}, split as
+    `parallel.split_of` says."""
     split: dict[str, int] = {}
     replicated = 0
     for name, size in tensor_bytes.items():
@@ -52,24 +38,9 @@ def weight_bytes(tensor_bytes: dict[str, int]) -> dict:
         if how is None:
             replicated += size
         else:
-            split[how] = split.get(how, 0) + size
+            split[how[0]] = split.get(how[0], 0) + size
     return {"replicated": replicated, "split": split, "split_total": sum(split.values()),
             "total": replicated + sum(split.values())}
-
-
-def split_problems(config, tp: int, quantized: bool) -> list[str]:
-    """Why `config` cannot be split `tp` ways (empty when it can): the split dimensions must divide,
-    and with FP8 weights held as stored each rank's slice must be whole 128-row/column blocks."""
-    dims = {"num_attention_heads": config.num_attention_heads, "o_groups": config.o_groups,
-            "n_routed_experts": config.n_routed_experts, "moe_intermediate_size": config.moe_intermediate_size}
-    problems = [f"{k} {v} is not divisible by tp {tp}" for k, v in dims.items() if v % tp]
-    if quantized and not problems and tp > 1:
-        blocks = {"wq_b rows per rank": config.num_attention_heads // tp * config.head_dim,
-                  "wo_a rows per rank": config.o_groups // tp * config.o_lora_rank,
-                  "wo_b columns per rank": config.o_groups * config.o_lora_rank // tp,
-                  "shared expert rows per rank": config.moe_intermediate_size // tp}
-        problems += [f"{k} {v} is not a multiple of 128 (FP8 blocks)" for k, v in blocks.items() if v % 128]
-    return problems
 
 
 def workspace(config, ratios, *, max_model_len: int, max_batched_tokens: int, prefill_chunk_size: int,

@@ -15,12 +15,30 @@ import torch
 
 from .attention import WorkspacePool
 from .config import EngineConfig
-from .head import TokenScores, sliced_details
+from .head import TokenScores
 from .loader import load_model
 from .model import DSv4Model
+from .parallel import SINGLE
 from .stats import StepStats
-from .step import RequestState, StepContext
+from .step import RequestState, StepContext, step_plans
 from .tokenizer import load_tokenizer, tokenizer_source
+
+
+def validate(batch: Sequence[Sequence[int]], vocab: int, max_len: int) -> list[np.ndarray]:
+    """Requests as int64 arrays; `ValueError` naming the first empty, out-of-vocab (ids outside
+    [0, vocab)) or too long (more than `max_len` ids) one."""
+    arrays = []
+    for i, ids in enumerate(batch):
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size == 0:
+            raise ValueError(f"request {i} is empty: give at least one token id (e.g. bos)")
+        if arr.min() < 0 or arr.max() >= vocab:
+            bad = int(arr[(arr < 0) | (arr >= vocab)][0])
+            raise ValueError(f"request {i} has token id {bad} outside the vocabulary [0, {vocab})")
+        if arr.size > max_len:
+            raise ValueError(f"request {i} has {arr.size} tokens, more than max_model_len={max_len}")
+        arrays.append(arr)
+    return arrays
 
 
 class Engine:
@@ -36,12 +54,13 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device="cpu", dtype=torch.float32,
-                        config: EngineConfig | None = None, weights: str = "stored") -> "Engine":
+                        config: EngineConfig | None = None, weights: str = "stored", tp=SINGLE) -> "Engine":
         """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json) or `TINY`.
 
         weights: "stored" keeps FP8/FP4 checkpoint weights quantized, "compute" dequantizes them
-        into `dtype` at load (see `loader.load_model`)."""
-        model = load_model(path_or_name, device=device, dtype=dtype, weights=weights)
+        into `dtype` at load (see `loader.load_model`). tp: this rank's `parallel.TP` in a split
+        replica (its process group initialised; every rank then calls `score` alike)."""
+        model = load_model(path_or_name, device=device, dtype=dtype, weights=weights, tp=tp)
         return cls(model, config, load_tokenizer(tokenizer_source(path_or_name)))
 
     @property
@@ -50,19 +69,7 @@ class Engine:
 
     def validate(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Requests as int64 arrays; `ValueError` naming the first empty, out-of-vocab or too long one."""
-        vocab, max_len = self.model.config.vocab_size, self.config.max_model_len
-        arrays = []
-        for i, ids in enumerate(batch):
-            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-            if arr.size == 0:
-                raise ValueError(f"request {i} is empty: give at least one token id (e.g. bos)")
-            if arr.min() < 0 or arr.max() >= vocab:
-                bad = int(arr[(arr < 0) | (arr >= vocab)][0])
-                raise ValueError(f"request {i} has token id {bad} outside the vocabulary [0, {vocab})")
-            if arr.size > max_len:
-                raise ValueError(f"request {i} has {arr.size} tokens, more than max_model_len={max_len}")
-            arrays.append(arr)
-        return arrays
+        return validate(batch, self.model.config.vocab_size, self.config.max_model_len)
 
     def schedule(self, states: list[RequestState]):
         """Yield steps [(state, start, end)] of at most max_num_batched_tokens query tokens.
@@ -100,8 +107,8 @@ class Engine:
         (`head.TokenScores`); the logprobs are bit-identical to `score`'s."""
         if not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
-        weight, rows = self.model.head.weight, self.config.logits_slice
-        outs, stats = self._run(batch, lambda h, t: sliced_details(h, weight, t, rows, top_k))
+        model, rows = self.model, self.config.logits_slice
+        outs, stats = self._run(batch, lambda h, t: model.head_details(h, t, rows, top_k))
         return [TokenScores(lp, greedy.astype(bool), ids.astype(np.int32), top)
                 for lp, greedy, ids, top in outs], stats
 
@@ -123,10 +130,18 @@ class Engine:
         states = [RequestState(arrays[i]) for i in order]
         outputs = {id(st): [] for st in states}
         self.pool.peak_bytes = 0
-        model, device = self.model, self.device
-        for segs in self.schedule(states):
-            ctx = StepContext(segs, ratios=model.ratios, window=model.config.sliding_window, config=self.config,
-                              ropes=model.ropes, pool=self.pool, stats=stats, device=device)
+        model, device, tp = self.model, self.device, self.model.tp
+        collective_s = tp.collective_s
+        steps = list(self.schedule(states))
+        window = model.config.sliding_window
+        # the chunk plan is the same on every rank (one latent KV head): rank 0 plans, one
+        # broadcast per call shares it
+        plans = [step_plans(segs, model.ratios, window, self.config, stats) for segs in steps] \
+            if tp.rank == 0 else None
+        plans = tp.broadcast_object(plans)
+        for segs, plan in zip(steps, plans):
+            ctx = StepContext(segs, ratios=model.ratios, window=window, config=self.config,
+                              ropes=model.ropes, pool=self.pool, stats=stats, device=device, plans=plan)
             hidden = model.hidden_step(ctx, self.config.attn_backend)
             targets = torch.from_numpy(np.concatenate([st.ids[s + 1:e + 1] for st, s, e in segs])).to(device)
             parts = [p.cpu().numpy() for p in head(hidden, targets)]
@@ -139,6 +154,7 @@ class Engine:
             pieces = outputs[id(st)] or [self._nothing(head)]  # a lone bos: no position
             result[i] = tuple(np.concatenate(cols) for cols in zip(*pieces))
         stats.forward_s = time.perf_counter() - t0
+        stats.collective_s = tp.collective_s - collective_s
         stats.peak_workspace_bytes = self.pool.peak_bytes
         return result, stats
 

@@ -14,6 +14,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .parallel import SINGLE
+
 
 class TokenScores(NamedTuple):
     """One request's scored positions (n = len(request) - 1)."""
@@ -25,9 +27,12 @@ class TokenScores(NamedTuple):
 
 
 def sliced_details(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                   slice_rows: int, top_k: int):
+                   slice_rows: int, top_k: int, tp=SINGLE, vocab_start: int = 0):
     """`tiled_details` over fixed `slice_rows`-row slices (the last zero-padded), exactly as
-    `DSv4Model.token_logprobs` slices: one GEMM shape whatever the step's size."""
+    `DSv4Model.token_logprobs` slices: one GEMM shape whatever the step's size.
+
+    Vocabulary-parallel (`tp.size` > 1): `weight` is this rank's rows, token ids
+    [vocab_start, vocab_start + len(weight)); every rank calls this with the same rows."""
     from .model import VOCAB_TILE
 
     n, k = hidden.shape[0], min(top_k, weight.shape[0])
@@ -40,19 +45,31 @@ def sliced_details(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     for a in range(0, n, slice_rows):
         rows = min(slice_rows, n - a)
         padded[:rows], padded_targets[:rows] = hidden[a:a + rows], targets[a:a + rows]
-        for out, part in zip(outs, tiled_details(padded, weight, padded_targets, k, VOCAB_TILE)):
+        parts = tiled_details(padded, weight, padded_targets, k, VOCAB_TILE, tp, vocab_start)
+        for out, part in zip(outs, parts):
             out[a:a + rows] = part[:rows]
     return outs
 
 
 def tiled_details(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, top_k: int,
-                  tile: int):
+                  tile: int, tp=SINGLE, vocab_start: int = 0):
     """x [n, hidden], weight [vocab, hidden], targets [n] int64 ->
     (logprob [n] fp32, is_max [n] bool, top_ids [n, K] int64, top_logprobs [n, K] fp32).
 
     is_max: the target's logit equals the row's largest (ties count as greedy). K = top_k may be
     0 (empty [n, 0] outputs); ties in the top-K keep the lower token id first, like a stable
-    sort of the whole row."""
+    sort of the whole row. With `tp`: `weight` holds ids from `vocab_start`, and the ranks'
+    parts are combined exactly (`combine_ranks`)."""
+    picked, lse, peak, top_i, top_v = vocab_parts(x, weight, targets - vocab_start, top_k, tile)
+    if tp.size > 1:
+        picked, lse, peak, top_i, top_v = combine_ranks(tp, picked, lse, peak, top_i + vocab_start, top_v)
+    # peak is the row's largest logit; the target's logit was picked unshifted
+    return picked - lse, picked >= peak, top_i, top_v - lse.unsqueeze(1)
+
+
+def vocab_parts(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, top_k: int, tile: int):
+    """One pass over `weight`'s vocabulary tiles: (target logit [n] (0 where the target is not
+    among these ids), logsumexp [n], max logit [n], top ids [n, K] local, their logits [n, K])."""
     from .model import OnlineLogSumExp, vocab_tiles
 
     n, k = x.shape[0], min(top_k, weight.shape[0])
@@ -66,9 +83,26 @@ def tiled_details(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
             order = _stable_desc(cand_v, cand_i)
             top_v, top_i = cand_v.gather(1, order[:, :k]), cand_i.gather(1, order[:, :k])
         acc.add(i, logits)
-    lse = acc.logsumexp()
-    # run_max is the row's largest logit; the target's logit was picked unshifted
-    return acc.picked - lse, acc.picked >= acc.run_max, top_i, top_v - lse.unsqueeze(1)
+    owned = (targets >= 0) & (targets < weight.shape[0])
+    picked = acc.picked if bool(owned.all()) else torch.where(owned, acc.picked, 0.0)
+    return picked, acc.logsumexp(), acc.run_max, top_i, top_v
+
+
+def combine_ranks(tp, picked, lse, peak, top_i, top_v):
+    """The whole vocabulary's parts from each rank's (`vocab_parts` with global top ids): one
+    all-gather of [n, 3 + 2K] fp32 (ids < 2^24 are exact in fp32). The target logit is the
+    owner's (the others give 0), logsumexp over the ranks' logsumexps, the max of maxes, and
+    the top-K of the ranks' top-Ks (ties by lower id)."""
+    n, k = top_v.shape
+    parts = tp.all_gather(torch.cat([picked[:, None], lse[:, None], peak[:, None], top_v,
+                                     top_i.to(torch.float32)], 1))  # [T, n, 3 + 2K]
+    picked, lse, peak = parts[:, :, 0].sum(0), parts[:, :, 1].logsumexp(0), parts[:, :, 2].amax(0)
+    if k:
+        cand_v = parts[:, :, 3:3 + k].transpose(0, 1).reshape(n, -1)
+        cand_i = parts[:, :, 3 + k:].transpose(0, 1).reshape(n, -1).to(torch.int64)
+        order = _stable_desc(cand_v, cand_i)[:, :k]
+        top_v, top_i = cand_v.gather(1, order), cand_i.gather(1, order)
+    return picked, lse, peak, top_i, top_v
 
 
 def _stable_desc(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..kernels import quant_linear
 from ..kernels.quant_reference import dequantize_into, stored_shapes
+from .parallel import SINGLE
 
 
 # BLAS takes other code paths (GEMV, split-K) for a handful of rows, and their rounding differs:
@@ -296,20 +297,31 @@ class Experts(nn.Module):
     Tokens are grouped by expert (one sort), so the loop runs over experts, not tokens.
     """
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float):
+    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float, first: int = 0,
+                 total: int | None = None):
         super().__init__()
-        self.num_experts = num_experts
+        # experts [first, first + num_experts) of `total` (expert parallel: a rank's block)
+        self.num_experts, self.first, self.total = num_experts, first, total or num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.w3 = nn.Parameter(torch.empty(num_experts, inter, hidden))
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/indices [T, k] -> [T, H]."""
+        """x [T, H], weights/indices [T, k] (global expert ids) -> [T, H]: the sum over this
+        module's experts only (a rank's share when experts are split; zero rows for tokens
+        routed elsewhere)."""
         k = indices.shape[1]
         flat = indices.flatten()
+        slot = None  # routed slots [T * k] kept here, when only a block of the experts is
+        if self.num_experts != self.total:
+            flat = flat - self.first
+            slot = ((flat >= 0) & (flat < self.num_experts)).nonzero().squeeze(1)
+            flat = flat[slot]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        if slot is not None:
+            order = slot[order]
         token_of = order // k
         xs = x[token_of]
         ws = weights.flatten()[order].unsqueeze(-1)
@@ -325,15 +337,20 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """DSv4 MoE block: routed experts (hash or top-k gate) plus one shared expert."""
+    """DSv4 MoE block: routed experts (hash or top-k gate) plus one shared expert.
 
-    def __init__(self, config, is_hash: bool):
+    With `tp` (`model/parallel.py`): this rank's block of routed experts and its 1/T of the shared
+    expert's intermediate size; the router is replicated; one all-reduce sums the ranks' parts."""
+
+    def __init__(self, config, is_hash: bool, tp=SINGLE):
         super().__init__()
         hidden, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        first, last = tp.local_range(config.n_routed_experts)
         self.gate = Gate(config, is_hash)
-        self.experts = Experts(config.n_routed_experts, hidden, inter, limit)
-        self.shared_experts = Expert(hidden, inter, limit)
+        self.experts = Experts(last - first, hidden, inter, limit, first, config.n_routed_experts)
+        self.shared_experts = Expert(hidden, inter // tp.size, limit)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x, input_ids)
-        return self.experts(x, weights, indices) + self.shared_experts(x)
+        return self.tp.all_reduce(self.experts(x, weights, indices) + self.shared_experts(x))

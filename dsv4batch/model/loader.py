@@ -33,6 +33,7 @@ from ..kernels.quant_reference import SCALE_DTYPES, stored_shapes
 from .config import TINY, ModelLoadError, load_config
 from .layers import Experts, Linear, QuantLinear
 from .model import DSv4Model, model_tensors
+from .parallel import SINGLE, TP, check_split, rank_slice, split_of
 from .quant import (DENSE_ONLY, SCALE_SUFFIXES, StoredFormat, dequantize, detect_format, hold_stored, holder,
                     nonfinite, quantize_state, scale_name)
 
@@ -84,29 +85,48 @@ class Shard:
     def nbytes(self, name: str) -> int:
         return self.entries[name][3] - self.entries[name][2]
 
-    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
-        """Copy tensor `name` into `out` (same dtype, shape and contiguous) and return `out`."""
+    def read_into(self, name: str, out: torch.Tensor, part: tuple[int, int] | None = None) -> torch.Tensor:
+        """Copy tensor `name` into `out` (same dtype, contiguous) and return `out`.
+
+        part: None (the whole tensor, `out` of its shape) or (dim, rank): rank's contiguous block
+        along dim, `out.shape[dim]` wide (a tensor-parallel slice; only its bytes are read: one
+        read per index of the dims before `dim`)."""
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
-        offset = self.data_start + self.entries[name][2]
+        shape, offset = self.entries[name][1], self.data_start + self.entries[name][2]
         view = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        if part is None:
+            return self._pread(name, view, offset) or out
+        dim, rank = part
+        inner = torch.Size(shape[dim + 1:]).numel() * out.element_size()
+        run, stride = out.shape[dim] * inner, shape[dim] * inner
+        offset += rank * run
+        for i in range(torch.Size(shape[:dim]).numel()):
+            self._pread(name, view[i * run:(i + 1) * run], offset + i * stride)
+        return out
+
+    def _pread(self, name: str, view: memoryview, offset: int) -> None:
         while len(view):
             got = os.preadv(self._fd, [view], offset)
             if got == 0:
                 raise ModelLoadError(f"{self.name} is truncated: tensor {name!r} ends past the end of the file")
             view, offset = view[got:], offset + got
-        return out
 
-    def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Tensor `name` as a new tensor, or copied into `into` (same shape; any dtype, converted):
-        directly when `into` has the stored dtype and is contiguous, else through one temporary."""
+    def read(self, name: str, into: torch.Tensor | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` (or its `part`, see `read_into`) as a new tensor, or copied into `into`
+        (its shape; any dtype, converted): directly when `into` has the stored dtype and is
+        contiguous, else through one temporary."""
         dtype, shape = self.entries[name][:2]
+        if into is not None and into.dtype == dtype and into.is_contiguous():
+            return self.read_into(name, into, part)
+        if part is not None:
+            shape = list(shape)
+            shape[part[0]] = into.shape[part[0]]
+        tmp = self.read_into(name, torch.empty(shape, dtype=dtype), part)
         if into is None:
-            return self.read_into(name, torch.empty(shape, dtype=dtype))
-        if into.dtype == dtype and into.is_contiguous():
-            return self.read_into(name, into)
+            return tmp
         with torch.no_grad():
-            return into.copy_(self.read_into(name, torch.empty(shape, dtype=dtype)))
+            return into.copy_(tmp)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -114,27 +134,28 @@ class Shard:
             self._fd = None
 
 
-def checkpoint_tensors(params: dict):
-    """(checkpoint name, tensor) per model tensor: stacked experts split into one per expert, and a
-    `QuantLinear`'s `qweight` / `scale` under the native `weight` / `scale` names."""
+def checkpoint_tensors(params: dict, tp=SINGLE):
+    """(checkpoint name, tensor) per model tensor: stacked experts split into one per expert (rank
+    `tp.rank`'s block of them, under their global index), and a `QuantLinear`'s `qweight` /
+    `scale` under the native `weight` / `scale` names."""
     for name, p in params.items():
         m = STACKED.match(name)
         if m:
-            suffix = "scale" if m.group(3) == "scale" else "weight"
+            suffix, first = "scale" if m.group(3) == "scale" else "weight", tp.rank * p.shape[0]
             for e in range(p.shape[0]):
-                yield f"{m.group(1)}.{e}.{m.group(2)}.{suffix}", p[e]
+                yield f"{m.group(1)}.{first + e}.{m.group(2)}.{suffix}", p[e]
         elif name.endswith(".qweight"):
             yield name[: -len("qweight")] + "weight", p
         else:
             yield name, p
 
 
-def check_complete(params: dict, filled: set[str], unknown: list[str]) -> None:
+def check_complete(params: dict, filled: set[str], unknown: list[str], tp=SINGLE) -> None:
     """Every checkpoint tensor matched a parameter and every parameter was filled."""
     if unknown:
         raise ModelLoadError(f"{len(unknown)} checkpoint tensor(s) match no DeepSeek-V4 parameter, "
                              f"e.g. {unknown[:3]}")
-    missing = sorted({n for n, _ in checkpoint_tensors(params)} - filled)
+    missing = sorted({n for n, _ in checkpoint_tensors(params, tp)} - filled)
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
 
@@ -145,18 +166,27 @@ def canonical(name: str) -> str:
     return ALIASES.get(name, name)
 
 
-def targets(params: dict, name: str):
-    """(model tensor, its scale buffer or None) that a canonical checkpoint weight name fills, or None.
+ELSEWHERE = "elsewhere"  # `targets`: a routed expert another rank of the replica holds
 
-    Experts fill one row of a stacked [E, ...] tensor; a weight held quantized fills `qweight`."""
+
+def targets(params: dict, name: str, tp=SINGLE):
+    """(model tensor, its scale buffer or None, split dim or None) that a canonical checkpoint
+    weight name fills; None when it fills nothing, `ELSEWHERE` for another rank's expert.
+
+    Experts fill one row of a stacked [E, ...] tensor (rank r holds the block `tp.local_range`);
+    a weight held quantized fills `qweight`; a tensor `parallel.split_of` names is a slice of the
+    checkpoint's along the split dim (its scale too)."""
     m = EXPERT.match(name)
     if m is None:
-        if name in params:
-            return params[name], None
         stem = name[: -len(".weight")] if name.endswith(".weight") else None
-        if stem is None or stem + ".qweight" not in params:
+        if name in params:
+            key, hit = name, (params[name], None)
+        elif stem is not None and stem + ".qweight" in params:
+            key, hit = stem + ".qweight", (params[stem + ".qweight"], params[stem + ".scale"])
+        else:
             return None
-        return params[stem + ".qweight"], params[stem + ".scale"]
+        split = split_of(key) if tp.size > 1 else None
+        return (*hit, None if split is None else split[1])
     key, row = f"{m.group(1)}.{m.group(3)}", int(m.group(2))
     if key in params:
         tensor, scale = params[key], None
@@ -164,9 +194,12 @@ def targets(params: dict, name: str):
         tensor, scale = params[key + ".qweight"], params[key + ".scale"]
     else:
         return None
-    if row >= tensor.shape[0]:
+    first = tp.local_range(tensor.shape[0] * tp.size)[0]
+    if row >= tensor.shape[0] * tp.size:
         return None
-    return tensor[row], None if scale is None else scale[row]
+    if not first <= row < first + tensor.shape[0]:
+        return ELSEWHERE
+    return tensor[row - first], None if scale is None else scale[row - first], None
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -196,12 +229,26 @@ class Match:
     target: torch.Tensor  # the model tensor (an expert's row of a stacked [E, ...] tensor)
     scale: str | None  # the checkpoint name of its scale, if quantized
     scale_target: torch.Tensor | None  # the scale buffer when the weight is held as stored
+    tp: TP = SINGLE  # the rank reading it
+    split_dim: int | None = None  # the target is the rank's slice along this dim (tensor parallel)
+
+    def part(self) -> tuple[int, int] | None:
+        """`Shard.read_into`'s part: (split dim, rank), or None for the whole tensor."""
+        return None if self.split_dim is None else (self.split_dim, self.tp.rank)
+
+    def full_shape(self, target: torch.Tensor) -> tuple[int, ...]:
+        """The checkpoint shape whose rank slice is `target`."""
+        shape = list(target.shape)
+        if self.split_dim is not None:
+            shape[self.split_dim] *= self.tp.size
+        return tuple(shape)
 
     def check_shape(self, name: str, target: torch.Tensor) -> None:
-        shape = self.shard.shape(name)
-        if tuple(shape) != tuple(target.shape):
+        shape, want = tuple(self.shard.shape(name)), self.full_shape(target)
+        if shape != want:
+            split = "" if self.split_dim is None else f" (split {self.tp.size} ways along dim {self.split_dim})"
             raise ModelLoadError(f"tensor {name!r} in {self.shard.name} has shape "
-                                 f"{tuple(shape)}, expected {tuple(target.shape)}")
+                                 f"{shape}, expected {want}{split}")
 
     def check(self) -> None:
         """Names, dtypes and shapes against the target, from the header alone."""
@@ -214,18 +261,20 @@ class Match:
         if self.scale_target is not None:
             self.check_shape(raw, self.target)
             return self.check_shape(self.scale, self.scale_target)
-        shape, fmt = self.shard.shape(raw), detect_format(dtype, self.shard.shape(raw), self.target.shape)
+        full = self.full_shape(self.target)
+        shape, fmt = self.shard.shape(raw), detect_format(dtype, self.shard.shape(raw), full)
         if fmt is None or self.target.dim() != 2:
             raise ModelLoadError(f"tensor {raw!r}: cannot dequantize a {dtype} tensor of shape {shape} "
-                                 f"into {tuple(self.target.shape)}")
-        want = stored_shapes(fmt, *self.target.shape)[1]
+                                 f"into {full}")
+        want = stored_shapes(fmt, *full)[1]
         if tuple(self.shard.shape(self.scale)) != want:
             raise ModelLoadError(f"tensor {self.scale!r} in {self.shard.name} has shape "
-                                 f"{self.shard.shape(self.scale)}, expected {want} for {fmt} {tuple(self.target.shape)}")
+                                 f"{self.shard.shape(self.scale)}, expected {want} for {fmt} {full}")
 
 
-def matched_tensors(params: dict, shards: list[Shard]) -> Iterator[Match]:
-    """Walk `shards` (sorted names per shard) and yield a `Match` per tensor that fills `params`.
+def matched_tensors(params: dict, shards: list[Shard], tp=SINGLE) -> Iterator[Match]:
+    """Walk `shards` (sorted names per shard) and yield a `Match` per tensor that fills `params`
+    (rank `tp.rank`'s slices of a `tp`-way split model: other ranks' experts are skipped).
 
     Ignored (`mtp.*`) and scale tensors are skipped (scales are read with their weight); a name
     matching no model tensor (an expert index out of range included) is collected. A match
@@ -239,15 +288,17 @@ def matched_tensors(params: dict, shards: list[Shard]) -> Iterator[Match]:
             if IGNORED.match(raw) or raw.endswith(SCALE_SUFFIXES):
                 continue
             name = canonical(raw)
-            hit = targets(params, name)
+            hit = targets(params, name, tp)
+            if hit is ELSEWHERE:
+                continue
             if hit is None:
                 unknown.append(raw)
                 continue
-            yield Match(raw, shard, hit[0], scale_name(raw, names), hit[1])
+            yield Match(raw, shard, hit[0], scale_name(raw, names), hit[1], tp, hit[2])
             filled.add(name)
             if hit[1] is not None:
                 filled.add(name[: -len("weight")] + "scale")
-    check_complete(params, filled, unknown)
+    check_complete(params, filled, unknown, tp)
 
 
 def stored_formats(model, shards: list[Shard]) -> dict[str, StoredFormat]:
@@ -283,53 +334,68 @@ def read_match(match: Match) -> None:
     """Fill `match.target` (and its scale buffer) from the file, checking shapes and finiteness."""
     match.check()
     raw, shard, target = match.raw, match.shard, match.target
-    if match.scale_target is not None:  # held as stored: the bytes as they are
-        shard.read(raw, into=target)
-        shard.read(match.scale, into=match.scale_target)
+    part = match.part()
+    if match.scale_target is not None:  # held as stored: the bytes as they are (the rank's blocks)
+        shard.read(raw, into=target, part=part)
+        shard.read(match.scale, into=match.scale_target, part=part)
         bad = [t for t in (target, match.scale_target) if nonfinite(t)]
     elif match.scale is not None:  # dequantized into the model's dtype, one slice at a time
         try:
-            dequantize(shard.read(raw), shard.read(match.scale), tuple(target.shape), out=target)
+            if part is None:
+                dequantize(shard.read(raw), shard.read(match.scale), tuple(target.shape), out=target)
+            else:  # a scale block may straddle two ranks: dequantize whole, keep the rank's slice
+                full = dequantize(shard.read(raw), shard.read(match.scale), match.full_shape(target))
+                with torch.no_grad():
+                    target.copy_(rank_slice(full, *part, target.shape[part[0]]))
         except ValueError as exc:
             raise ModelLoadError(f"tensor {raw!r}: {exc}") from exc
         bad = [target] if nonfinite(target) else []
     else:
-        bad = [target] if nonfinite(shard.read(raw, into=target)) else []
+        bad = [target] if nonfinite(shard.read(raw, into=target, part=part)) else []
     if bad:
         raise ModelLoadError(f"tensor {raw!r} in {shard.name} has NaN or Inf values")
 
 
 @torch.no_grad()
 def load_state(model, shards: list[Shard]) -> None:
-    """Copy every checkpoint tensor into `model`, checking names, shapes and finiteness."""
+    """Copy every checkpoint tensor into `model` (its rank's slices when `model.tp` splits it),
+    checking names, shapes and finiteness."""
     try:
-        for match in matched_tensors(model_tensors(model), shards):
+        for match in matched_tensors(model_tensors(model), shards, model.tp):
             read_match(match)
     finally:
         for shard in shards:
             shard.close()
 
 
-def meta_model(config) -> DSv4Model:
-    """The module tree on torch's `meta` device: names and shapes, no memory, no initialisers."""
+def meta_model(config, tp=SINGLE) -> DSv4Model:
+    """The module tree (rank `tp.rank`'s, when split) on torch's `meta` device: names and shapes,
+    no memory, no initialisers."""
     with torch.device("meta"):
-        return DSv4Model(config)
+        return DSv4Model(config, tp)
 
 
-def prepared_model(path_or_name: str, dtype=torch.float32, weights: str = "stored"):
+def prepared_model(path_or_name: str, dtype=torch.float32, weights: str = "stored", tp=SINGLE):
     """(the `meta` model `load_model` fills, its `Shard`s or None for `TINY`): quantized projections
-    swapped for `QuantLinear`s (`weights="stored"`), every tensor in the dtype it will be held in."""
+    swapped for `QuantLinear`s (`weights="stored"`), every tensor in the dtype it will be held in;
+    rank `tp.rank`'s part of a `tp.size`-way split (`ValueError` naming the config field that
+    does not divide)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if path_or_name == TINY:
         from .tiny import tiny_config
 
-        model, shards = meta_model(tiny_config()), None
+        model, shards = meta_model(tiny_config(), tp), None
     else:
-        model = meta_model(load_config(path_or_name))
+        model = meta_model(load_config(path_or_name), tp)
         shards = [Shard(f) for f in safetensors_files(path_or_name)]
         if weights == "stored":
-            hold_stored(model, stored_formats(model, shards))
+            # the formats come from the whole model's shapes (a rank's slice of a quantized
+            # weight keeps its format); FP8 slices must be whole scale blocks
+            formats = stored_formats(meta_model(model.config), shards)
+            check_split(model.config, tp.size, quantized=any(
+                f.fmt == "fp8" and split_of(key + ".qweight") for key, f in formats.items()))
+            hold_stored(model, formats)
     for name, p in model.named_parameters():
         if not KEEP_FP32.search(name):
             p.data = p.data.to(dtype)
@@ -339,33 +405,38 @@ def prepared_model(path_or_name: str, dtype=torch.float32, weights: str = "store
     return model, shards
 
 
-def check_checkpoint(path: str) -> None:
-    """Raise `ModelLoadError` unless the folder `path` would load (no tensor data is read).
+def check_checkpoint(path: str, tp: int = 1) -> None:
+    """Raise `ModelLoadError` unless the folder `path` would load (no tensor data is read), or
+    `parallel.SplitError` naming the config field when it cannot be split `tp` ways.
 
     config.json must be a DeepSeek-V4 config and every safetensors tensor must match a tensor of
     the model it describes, with its dtype class and shape (quantized weights and their scales
-    included, from the headers), none missing. Values (NaN/Inf) are only checked by `load_model`.
-    `TINY` is always fine.
+    included, from the headers; rank 0's slices when split), none missing. Values (NaN/Inf) are
+    only checked by `load_model`. `TINY` is fine whenever it splits.
     """
     if path == TINY:
-        return
-    check_tensors(*prepared_model(path))
+        from .tiny import tiny_config
+
+        return check_split(tiny_config(), tp)
+    check_tensors(*prepared_model(path, tp=TP(0, tp)))
 
 
 def check_tensors(model, shards: list[Shard]) -> None:
     """`Match.check` every checkpoint tensor against the (meta) `model` it would fill."""
-    for match in matched_tensors(model_tensors(model), shards):
+    for match in matched_tensors(model_tensors(model), shards, model.tp):
         match.check()
 
 
-def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32, weights: str = "stored") -> DSv4Model:
+def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32, weights: str = "stored",
+               tp=SINGLE) -> DSv4Model:
     """A `DSv4Model` from a checkpoint folder or `TINY`, on `device` in `dtype` (norms etc. stay fp32).
 
     weights: "stored" keeps FP8/FP4 checkpoint weights as stored (`QuantLinear`, multiplied by
     `kernels.quant_linear`); "compute" dequantizes them into `dtype` at load. Checkpoints without
-    quantized tensors (and `TINY`) load the same either way.
+    quantized tensors (and `TINY`) load the same either way. tp: the rank's place in a split
+    replica (`model/parallel.py`): only its slices are read and held.
     """
-    model, shards = prepared_model(path_or_name, dtype, weights)
+    model, shards = prepared_model(path_or_name, dtype, weights, tp)
     model = model.to_empty(device="cpu")  # every tensor is filled next
     if shards is None:
         from .tiny import seed_weights

@@ -12,18 +12,19 @@ from torch import nn
 from .attention import Attention
 from .config import layer_ratio
 from .layers import Linear, MoE, RMSNorm, Rope, hc_collapse, hc_mixes, hc_post, hc_pre, sigmoid
+from .parallel import SINGLE, check_split
 from .step import StepContext
 
 
 class Block(nn.Module):
     """One decoder layer: mHC around attention and around the MoE (native parameter names)."""
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, tp=SINGLE):
         super().__init__()
         hidden, hc = config.hidden_size, config.hc_mult
         self.ratio = layer_ratio(config, layer_idx)
-        self.attn = Attention(config, self.ratio)
-        self.ffn = MoE(config, is_hash=config.mlp_layer_types[layer_idx] == "hash_moe")
+        self.attn = Attention(config, self.ratio, tp)
+        self.ffn = MoE(config, is_hash=config.mlp_layer_types[layer_idx] == "hash_moe", tp=tp)
         self.attn_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(hidden, config.rms_norm_eps)
         mix = (2 + hc) * hc
@@ -55,18 +56,23 @@ class DSv4Model(nn.Module):
     Attributes are named like the native checkpoint (`embed`, `layers.i.attn.wq_a`, `head`, ...).
     `ratios`: the layers' distinct compress ratios (the engine plans chunks once per ratio and step);
     `ropes`: "main" / "compress" -> `Rope` (the step context turns them into cos/sin per position).
+    `tp`: this rank's place when the replica is split T ways (`model/parallel.py`: local heads,
+    groups, experts and vocabulary slice; `SINGLE`: the whole model). `vocab_start`: the first
+    token id of this rank's `embed` / `head` rows.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, tp=SINGLE):
         super().__init__()
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
-        self.config = config
+        check_split(config, tp.size)
+        self.config, self.tp = config, tp
         hidden, hc = config.hidden_size, config.hc_mult
-        self.embed = nn.Embedding(config.vocab_size, hidden)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.vocab_start, vocab_end = tp.local_range(config.vocab_size)
+        self.embed = nn.Embedding(vocab_end - self.vocab_start, hidden)
+        self.layers = nn.ModuleList(Block(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.head = Linear(hidden, config.vocab_size)
+        self.head = Linear(hidden, vocab_end - self.vocab_start)
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * hidden))
         self.hc_head_base = nn.Parameter(torch.zeros(hc))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
@@ -82,20 +88,33 @@ class DSv4Model(nn.Module):
 
     def hidden_step(self, ctx: StepContext, backend: str) -> torch.Tensor:
         """Run all layers on one packed step -> final normed hidden [T, hidden]."""
-        h = self.embed(ctx.input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        h = self.embed_tokens(ctx.input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx, i, backend)
         pre = sigmoid(hc_mixes(h, self.hc_head_fn, self.config.rms_norm_eps) * self.hc_head_scale.float()
                       + self.hc_head_base.float()) + self.config.hc_eps
         return self.norm(hc_collapse(pre, h))
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64 -> [T, hidden]; vocabulary-parallel: each rank looks up the ids in its
+        slice (zeros elsewhere) and one all-reduce sums them (exact: one nonzero term per row)."""
+        if self.tp.size == 1:
+            return self.embed(ids)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.embed.num_embeddings)
+        rows = self.embed(local.clamp(0, self.embed.num_embeddings - 1))
+        return self.tp.all_reduce(rows * inside.unsqueeze(1).to(rows.dtype))
+
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int) -> torch.Tensor:
         """hidden [n, hidden], targets [n] int64 -> log p(target) [n] fp32, `slice_rows` rows at a time.
 
         Every slice has exactly `slice_rows` rows (the last is zero-padded) and goes through
         `tiled_logprobs`: one fixed shape means one GEMM/reduction strategy, so a row's logprob
-        does not depend on its step's size or on its slice-mates.
+        does not depend on its step's size or on its slice-mates. Vocabulary-parallel (T > 1):
+        `head_details`' combination of the ranks' slices.
         """
+        if self.tp.size > 1:
+            return self.head_details(hidden, targets, slice_rows, 0)[0]
         step, n = slice_rows, hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
         padded = hidden.new_zeros(step, hidden.shape[1])
@@ -106,6 +125,13 @@ class DSv4Model(nn.Module):
             padded[:rows], padded_targets[:rows] = hidden[a:a + rows], targets[a:a + rows]
             out[a:a + rows] = tiled_logprobs(padded, weight, padded_targets)[:rows]
         return out
+
+    def head_details(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int, top_k: int):
+        """`head.sliced_details` over this rank's vocabulary slice, combined across ranks:
+        (logprob [n] fp32, is_greedy [n] bool, top_ids [n, K] int64, top_logprobs [n, K] fp32)."""
+        from .head import sliced_details
+
+        return sliced_details(hidden, self.head.weight, targets, slice_rows, top_k, self.tp, self.vocab_start)
 
 
 # Vocabulary columns per head tile: a [256, 2048] fp32 logits tile (2 MiB) plus its weight rows

@@ -62,4 +62,5 @@ class StepStats(Stats):
     model_calls: int = 0  # Engine.score calls
     planner_s: float = 0.0  # time in the chunk planner
     forward_s: float = 0.0  # wall time of the score calls
+    collective_s: float = 0.0  # of which in tensor-parallel collectives (0 with one rank)
     peak_workspace_bytes: int = peak()  # largest chunk workspace

@@ -27,6 +27,21 @@ class RequestState:
     layers: dict = field(default_factory=dict)  # layer idx -> {"window", "entries", "comp", "idx", "idx_entries"}
 
 
+def step_plans(segs, ratios, window: int, config, stats: StepStats) -> dict:
+    """The step's chunk plans, once per layer type: compress ratio -> the planner's chunks.
+
+    segs: [(state, start, end)] as `StepContext` takes them; config: the `EngineConfig`. The
+    planner's time goes to `stats.planner_s`."""
+    starts = np.array([s for _, s, _ in segs], np.int64)
+    ends = np.array([e for _, _, e in segs], np.int64)
+    t0 = time.perf_counter()
+    plans = plan_step(ends, ends - starts, compress_ratios=ratios, window_size=window,
+                      max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
+                      prefill_chunk_size=config.prefill_chunk_size, planner=config.planner)
+    stats.planner_s += time.perf_counter() - t0
+    return plans
+
+
 class StepContext:
     """Everything shared by the layers of one step.
 
@@ -34,11 +49,12 @@ class StepContext:
     cu [B + 1] int64 (numpy): segment b's tokens are rows [cu[b], cu[b + 1]) of the step.
     positions, input_ids [T] int64 on `device`: tokens concatenated in segment order.
     continuing: indices b of the segments whose request has more positions after this step.
-    layouts: compress ratio -> `RatioLayout` (chunks planned once per ratio for this step).
+    layouts: compress ratio -> `RatioLayout` (chunks planned once per ratio for this step: `plans`,
+    `step_plans`' output, computed here when not given).
     Building a context counts one step, its tokens and the planner time in `stats`.
     """
 
-    def __init__(self, segs, *, ratios, window, config, ropes, pool, stats: StepStats, device):
+    def __init__(self, segs, *, ratios, window, config, ropes, pool, stats: StepStats, device, plans=None):
         self.segs, self.window, self.ropes, self.pool, self.stats = segs, window, ropes, pool, stats
         starts = np.array([s for _, s, _ in segs], np.int64)
         ends = np.array([e for _, _, e in segs], np.int64)
@@ -46,11 +62,8 @@ class StepContext:
         self.positions = torch.from_numpy(ranges(starts, ends - starts)).to(device)
         self.input_ids = torch.from_numpy(np.concatenate([st.ids[s:e] for st, s, e in segs])).to(device)
         self.continuing = [b for b, (st, _, e) in enumerate(segs) if e < len(st.ids) - 1]
-        t0 = time.perf_counter()
-        plans = plan_step(ends, ends - starts, compress_ratios=ratios, window_size=window,
-                          max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
-                          prefill_chunk_size=config.prefill_chunk_size, planner=config.planner)
-        stats.planner_s += time.perf_counter() - t0
+        if plans is None:
+            plans = step_plans(segs, ratios, window, config, stats)
         stats.num_steps += 1
         stats.num_tokens += int(self.cu[-1])
         self.layouts = {r: RatioLayout(starts, ends, self.cu, r, window, plans[r], device) for r in plans}

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .model import model_tensors
+from .model import DSv4Model, model_tensors
+from .parallel import rank_slice, split_of
 
 SEED = 20260609
 
@@ -31,11 +32,19 @@ def tiny_config():
 
 
 def seed_weights(model) -> None:
-    """Fill every tensor of `model` (any DSv4 shape) in place with `tiny_state(model)`."""
-    tensors = model_tensors(model)
+    """Fill every tensor of `model` (any DSv4 shape) in place with `tiny_state(model)`; a rank
+    of a split model (`model.tp`) gets its slices of the whole model's seeded values."""
+    tensors, tp = model_tensors(model), model.tp
+    if tp.size > 1:
+        with torch.device("meta"):
+            whole = DSv4Model(model.config)
+    state = tiny_state(model if tp.size == 1 else whole)
     with torch.no_grad():
-        for name, tensor in tiny_state(model).items():
-            tensors[name].copy_(tensor)
+        for name, tensor in tensors.items():
+            split = split_of(name) if tp.size > 1 else None
+            value = state[name] if split is None else rank_slice(state[name], split[1], tp.rank,
+                                                                 tensor.shape[split[1]])
+            tensor.copy_(value)
 
 
 def tiny_state(model) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from dsv4batch.planner import PLANNER_NAMES  # numpy only: no torch
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATE = ("none", "left", "right")
 WEIGHTS = ("stored", "compute")
+STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement group strategies
 
 
 def _f(default: Any, help: str, *, choices: tuple | None = None, group: str = "scoring",
@@ -94,13 +95,23 @@ class ScoreConfig:
     sort_by_length: bool = _f(True, "Let the engine sort a batch's requests by length.",
                               group="engine")
     # -- resources and Ray Data
-    replicas: int = _f(1, "Number of scoring actors (model replicas).", group="resources", min=1)
-    gpus_per_replica: float | None = _f(None, "GPUs per actor; None: 1 when the cluster has "
-                                        "GPUs, else 0 (CPU backend).", group="resources", min=0)
-    cpus_per_replica: float | None = _f(None, "CPUs reserved per scoring actor; None: 1 with "
-                                        "GPUs, 0.5 on the CPU backend (fractions leave room "
-                                        "for read/write tasks on small machines).",
-                                        group="resources", min=0)
+    replicas: int = _f(1, "Number of scoring actors (model replicas, data parallel).",
+                       group="resources", min=1)
+    tp: int = _f(1, "Ranks per replica (tensor + expert parallel): the replica's scoring actor "
+                 "owns a placement group of TP bundles, one rank worker each, joined in one "
+                 "torch.distributed group (NCCL on CUDA, gloo on CPU); each rank holds its "
+                 "slice of the weights. GPUs used = replicas x tp x gpus_per_replica.",
+                 group="resources", min=1)
+    placement_strategy: str = _f("PACK", "Ray placement strategy of a --tp > 1 replica's bundles "
+                                 "(PACK: one node when it can; STRICT_PACK: one node or wait).",
+                                 choices=STRATEGIES, group="resources")
+    gpus_per_replica: float | None = _f(None, "GPUs per rank of a replica (per actor at --tp 1); "
+                                        "None: 1 when the cluster has GPUs, else 0 (CPU "
+                                        "backend).", group="resources", min=0)
+    cpus_per_replica: float | None = _f(None, "CPUs reserved per rank of a replica (per actor "
+                                        "at --tp 1); None: 1 with GPUs, 0.5 on the CPU backend "
+                                        "(fractions leave room for read/write tasks on small "
+                                        "machines).", group="resources", min=0)
     torch_threads: int | None = _f(None, "torch intra-op threads in each actor on the CPU "
                                    "backend (None: Ray's default for the actor).",
                                    group="resources", min=1)
@@ -152,6 +163,10 @@ class ScoreConfig:
                                  "A model that raises while loading stops the job at once.",
                                  group="faults", min=-1)
 
+    collective_timeout_s: float = _f(300.0, "A collective between the ranks of a --tp replica "
+                                     "(one rank dead or stopped) fails after this many seconds; "
+                                     "the replica's ranks are restarted and the batch retried.",
+                                     group="faults", min=1)
     batch_timeout_s: float = _f(1800.0, "A batch still running after this many seconds (a "
                                 "stopped or hung actor) has its actor killed; Ray restarts it "
                                 "and the batch is retried like a crash.", group="faults", min=1)

@@ -32,6 +32,11 @@ class BatchError(RuntimeError):
     """An attempt at a batch failed as a whole (the engine raised for every row); retried."""
 
 
+class ReplicaLost(BatchError):
+    """A rank of a tensor-parallel replica died, hung past --collective-timeout-s or failed in a
+    collective: its ranks were restarted and the batch is retried (never isolated row by row)."""
+
+
 class TooManyErrors(RuntimeError):
     """More rows failed scoring than `max_errored_rows`; stops the job (never retried)."""
 

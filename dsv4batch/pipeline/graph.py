@@ -25,7 +25,8 @@ def resolve(config: ScoreConfig) -> ScoreConfig:
     """Fill in cluster-dependent defaults and refuse resource settings that cannot run.
 
     `gpus_per_replica`: 1 when Ray sees GPUs, else 0 (CPU backend). `cpus_per_replica`: 1 with
-    GPUs, else 0.5. On the CPU backend the actors must leave one whole CPU free: Ray Data's
+    GPUs, else 0.5 (both per rank: a --tp T replica takes T times them). On the CPU backend the
+    actors must leave one whole CPU free: Ray Data's
     list/read/write tasks need 1 CPU each, and a pool that takes every CPU would wait forever.
     Replicas that need more GPUs or CPUs than Ray sees are refused unless
     `wait_for_resources` (an autoscaler will add nodes).
@@ -39,16 +40,17 @@ def resolve(config: ScoreConfig) -> ScoreConfig:
     cpus = config.cpus_per_replica
     if cpus is None:
         cpus = 1.0 if gpus > 0 else 0.5
-    total = cluster.get("CPU", 0)
-    need = config.replicas * cpus + config.tokenize_concurrency * config.tokenize_num_cpus
+    total, ranks = cluster.get("CPU", 0), config.replicas * config.tp
+    per = f"{config.replicas} replica(s)" + (f" x {config.tp} ranks" if config.tp > 1 else "")
+    need = ranks * cpus + config.tokenize_concurrency * config.tokenize_num_cpus
     if gpus == 0 and total and need > total - 1:
         raise UsageError(
-            f"{config.replicas} replica(s) x {cpus:g} CPU + {config.tokenize_concurrency} "
+            f"{per} x {cpus:g} CPU + {config.tokenize_concurrency} "
             f"tokenizer(s) x {config.tokenize_num_cpus:g} CPU leave less than 1 of the cluster's "
-            f"{total:g} CPUs for read/write tasks; lower --replicas or --cpus-per-replica")
-    short = [f"{config.replicas * n:g} {kind} ({config.replicas} replica(s) x {n:g}) but Ray "
+            f"{total:g} CPUs for read/write tasks; lower --replicas, --tp or --cpus-per-replica")
+    short = [f"{ranks * n:g} {kind} ({per} x {n:g}) but Ray "
              f"sees {cluster.get(kind, 0):g}" for kind, n in (("GPU", gpus), ("CPU", cpus))
-             if n > 0 and cluster and config.replicas * n > cluster.get(kind, 0)]
+             if n > 0 and cluster and ranks * n > cluster.get(kind, 0)]
     if short and not config.wait_for_resources:
         raise UsageError(f"the replicas need {'; '.join(short)}: the run would wait forever "
                          "without an autoscaler. Lower --replicas / --gpus-per-replica / "
@@ -70,8 +72,8 @@ GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "B200": 180, "A100-80G": 80, "A100-40
 
 
 def check_capacity(config: ScoreConfig, cluster: dict, log) -> None:
-    """Refuse, before any actor starts, a GPU replica that `dsv4batch plan` says cannot fit
-    (one GPU per replica: tensor parallelism is not built yet). `cluster`: Ray's resources."""
+    """Refuse, before any actor starts, a GPU replica whose ranks `dsv4batch plan` says cannot
+    fit (weights split `config.tp` ways, one GPU per rank). `cluster`: Ray's resources."""
     if not config.gpus_per_replica:
         return
     gib = config.gpu_memory_gib
@@ -84,12 +86,12 @@ def check_capacity(config: ScoreConfig, cluster: dict, log) -> None:
         gib = min(known)
     from dsv4batch.model.capacity import replica_fits
 
-    fits, why = replica_fits(config.model, 1, int(gib * 2**30), config.max_model_len,
+    fits, why = replica_fits(config.model, config.tp, int(gib * 2**30), config.max_model_len,
                              config.max_batched_tokens, dtype=config.compute()["dtype"],
                              weights=config.weights_dtype)
     if not fits:
-        raise UsageError(f"model {config.model!r} does not fit one {gib:g} GiB GPU per replica "
-                         f"({why}); see `dsv4batch plan --model {config.model}`")
+        raise UsageError(f"model {config.model!r} does not fit {config.tp} {gib:g} GiB GPU(s) per "
+                         f"replica ({why}); see `dsv4batch plan --model {config.model}`")
 
 
 def _check_schema(dataset, needed) -> None:
@@ -164,13 +166,15 @@ def _prepare(dataset, config: ScoreConfig, stats):
 
 
 def _scoring(tokenized, config: ScoreConfig, stats, scorer):
-    """The `ScoringActor` pool over a tokenized dataset."""
+    """The `ScoringActor` pool over a tokenized dataset. With --tp > 1 an actor only coordinates
+    (no CPU or GPU reserved): its `ShardedEngine` places the ranks in a placement group."""
     from ray.data import ActorPoolStrategy
 
     from dsv4batch.pipeline.stages.score import ScoringActor
 
     # blocks of batch_size rows: every actor call is one batch and batches spread over replicas
     tokenized = tokenized.repartition(target_num_rows_per_block=config.batch_size)
+    sharded = config.tp > 1
     with warnings.catch_warnings():
         # Ray 2.60 takes max_restarts/max_task_retries only as **ray_remote_args (deprecated,
         # with no named replacement yet); they are set explicitly, not left to Ray Data's
@@ -184,7 +188,8 @@ def _scoring(tokenized, config: ScoreConfig, stats, scorer):
                                    "num_gpus": config.gpus_per_replica},
             compute=ActorPoolStrategy(size=config.replicas,
                                       max_tasks_in_flight_per_actor=config.batches_in_flight),
-            num_gpus=config.gpus_per_replica, num_cpus=config.cpus_per_replica,
+            num_gpus=0 if sharded else config.gpus_per_replica,
+            num_cpus=0 if sharded else config.cpus_per_replica,
             batch_size=config.batch_size, batch_format="pyarrow", zero_copy_batch=True,
             udf_modifying_row_count=False, max_restarts=config.max_actor_restarts,
             max_task_retries=-1)

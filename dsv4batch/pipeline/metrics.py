@@ -81,8 +81,10 @@ def summarize(snapshot: dict, written: Written, wall_s: float, extra: dict | Non
             "scored_tokens": a["scored_tokens"], "busy_s": round(a["busy_s"], 3),
             "active_s": round(span, 3), "tokens_per_s": _rate(a["input_tokens"], span),
             "rows_per_s": _rate(a["rows"], span), "forward_s": round(a["forward_s"], 3),
-            "planner_s": round(a["planner_s"], 3), "num_steps": a["num_steps"],
-            "num_chunks": a["num_chunks"], "peak_workspace_bytes": a["peak_workspace_bytes"]})
+            "planner_s": round(a["planner_s"], 3), "collective_s": round(a.get("collective_s", 0.0), 3),
+            "num_steps": a["num_steps"], "num_chunks": a["num_chunks"],
+            "peak_workspace_bytes": a["peak_workspace_bytes"],
+            **({"ranks": a["ranks"]} if "ranks" in a else {})})  # --tp > 1: pid, node, bytes per rank
     tok = snapshot["tokenize"]
     return {
         "rows": written.rows, "rows_scored": written.rows - written.rows_errored,
@@ -98,6 +100,7 @@ def summarize(snapshot: dict, written: Written, wall_s: float, extra: dict | Non
                    "actor_busy": round(sum(a["busy_s"] for a in actors), 3),
                    "forward": round(sum(a["forward_s"] for a in actors), 3),
                    "planner": round(sum(a["planner_s"] for a in actors), 3),
+                   "collective": round(sum(a.get("collective_s", 0.0) for a in actors), 3),
                    "model_load_max": round(max((a.get("load_s", 0.0) for a in actors),
                                                default=0.0), 3)},
         "num_steps": sum(a["num_steps"] for a in actors),

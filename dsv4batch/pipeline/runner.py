@@ -26,15 +26,17 @@ from dsv4batch.pipeline.errors import JobFailed, RowCountError, UsageError
 from dsv4batch.pipeline.stats import Written
 
 
-def check_model(model: str) -> None:
+def check_model(model: str, tp: int = 1) -> None:
     """The model folder's config and safetensors headers, checked before Ray starts (cheap: no
-    tensor data is read); a folder that cannot load is a `UsageError` naming the problem."""
+    tensor data is read); a folder that cannot load, or a model that cannot be split `tp` ways,
+    is a `UsageError` naming the problem (the config field, for a split)."""
     from dsv4batch.model import ModelLoadError
     from dsv4batch.model.loader import check_checkpoint
+    from dsv4batch.model.parallel import SplitError
 
     try:
-        check_checkpoint(model)
-    except ModelLoadError as exc:
+        check_checkpoint(model, tp)
+    except (ModelLoadError, SplitError) as exc:
         raise UsageError(f"model {model!r}: {exc}") from exc
 
 
@@ -50,7 +52,7 @@ def run(config: ScoreConfig, *, log=None) -> dict:
     info = inspect_input(config.input, exclude=config.output, input_format=config.input_format,
                          text_columns=(config.text_column, config.target_column))
     check_input(info, config)
-    check_model(config.model)
+    check_model(config.model, config.tp)
     run_id = uuid.uuid4().hex[:8]
     lease = Lease(*open_fs(config.output), run_id, log).acquire()
     try:
@@ -103,6 +105,7 @@ def _score(config: ScoreConfig, info, state, job: dict, parts, run: dict, log) -
     from dsv4batch.pipeline.faults import explain_failure
     from dsv4batch.pipeline.fs import open_fs
     from dsv4batch.pipeline.graph import check_capacity, resolve, score
+    from dsv4batch.pipeline.stages.shards import release_groups
     from dsv4batch.pipeline.ids.scan import scan_ids
     from dsv4batch.pipeline.metrics import start_collector
     from dsv4batch.pipeline.progress import Progress
@@ -133,7 +136,8 @@ def _score(config: ScoreConfig, info, state, job: dict, parts, run: dict, log) -
              else math.ceil(todo / 1000) if todo is not None else None)
     log(f"[dsv4batch] scoring {todo if todo is not None else 'all'} rows from "
         f"{len(info.files)} file(s) with {config.replicas} replica(s) x "
-        f"{config.gpus_per_replica:g} GPU of {config.model!r}"
+        + (f"{config.tp} ranks x " if config.tp > 1 else "")
+        + f"{config.gpus_per_replica:g} GPU of {config.model!r}"
         + (f" ({skipped} already in OUTPUT)" if skipped else ""))
     collector = start_collector(limit)
     sink = ParquetPartSink(config.output, run_id=run["run_id"], rows_per_file=config.rows_per_file)
@@ -143,11 +147,13 @@ def _score(config: ScoreConfig, info, state, job: dict, parts, run: dict, log) -
         with Progress(collector, todo, enabled=config.progress):
             dataset.write_datasink(sink)
     except Exception as exc:
+        release_groups()
         try:
             ledger = ray.get(collector.snapshot.remote(), timeout=30)["ledger"]
         except Exception:  # noqa: BLE001 - the original error is still raised below
             ledger = {}
         raise explain_failure(ledger, exc) from exc
+    release_groups()
     snapshot = ray.get(collector.snapshot.remote())
     ray.kill(collector)
     if snapshot["ledger"]["stop"]:  # the last batches passed the limit after every begin
@@ -170,7 +176,7 @@ def _finish(config, info, result, wall: float, extra: dict, job: dict, log) -> d
                             "rows; no _SUCCESS written")
     metrics = summarize(snapshot, written, wall,
                         {**extra, "rows_in_output": total, "replicas": config.replicas,
-                         "gpus_per_replica": config.gpus_per_replica})
+                         "tp": config.tp, "gpus_per_replica": config.gpus_per_replica})
     metrics = accumulate(_previous_metrics(config.output) if extra["resumed"] else None, metrics)
     O.write_json(config.output, O.METRICS, metrics)
     O.write_json(config.output, O.SUCCESS, {"run_id": extra["run_id"], "rows": total})

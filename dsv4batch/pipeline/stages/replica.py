@@ -25,11 +25,17 @@ def load_engine(config: ScoreConfig, num_gpus: float):
     """Load the `Engine` once per actor; returns (engine, device, dtype name).
 
     A model folder that is missing on this node, or that cannot load, raises the loader's
-    `ModelLoadError` naming the problem."""
+    `ModelLoadError` naming the problem. With `config.tp` > 1 the engine is a `ShardedEngine`
+    over T rank workers (`num_gpus` / `cpus_per_replica` each)."""
     import torch
 
     from dsv4batch.model import Engine, EngineConfig
 
+    if config.tp > 1:
+        from dsv4batch.pipeline.stages.shards import ShardedEngine
+
+        engine = ShardedEngine(config, num_gpus, config.cpus_per_replica or 0.0)
+        return engine, engine.ranks[0]["device"], engine.ranks[0]["dtype"]
     device = pick_device(num_gpus)
     if device == "cpu" and config.torch_threads:
         torch.set_num_threads(config.torch_threads)

@@ -22,7 +22,7 @@ from typing import Any
 from dsv4batch.model.stats import StepStats
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import BatchError, row_error
+from dsv4batch.pipeline.errors import BatchError, ReplicaLost, row_error
 from dsv4batch.pipeline.faults import BatchGuard
 from dsv4batch.pipeline.stages.replica import load_engine
 from dsv4batch.pipeline.stages.telemetry import ActorTelemetry
@@ -66,7 +66,8 @@ class ScoringActor:
             pass
         self.info = {"actor_id": self.actor_id, "node_id": self.node_id, "pid": os.getpid(),
                      "device": self.device, "dtype": self.dtype,
-                     "load_s": time.perf_counter() - t0}
+                     "load_s": time.perf_counter() - t0,
+                     **({"ranks": self.engine.ranks} if hasattr(self.engine, "ranks") else {})}
         if stats is not None:
             stats.register_actor.remote(self.info)
 
@@ -127,6 +128,8 @@ class ScoringActor:
             return StepStats()
         try:
             outs, stats = self._call([ids[i] for i in todo])
+        except ReplicaLost:
+            raise  # a rank failed, not a row: the whole batch is retried on the restarted ranks
         except Exception:
             failures, stats = [], StepStats()
             for i in todo:
