@@ -224,7 +224,7 @@ def gemm_rates(engine, repeats: int) -> dict:
     """fp32 GFLOP/s of a 2048^3 GEMM, of the head's GEMM tiles alone ([rows, hidden] x
     [hidden, VOCAB_TILE] over the vocabulary) and of the fused head (`token_logprobs`, 4 slices);
     CPU time, best of `repeats + 2`. Fractions: fused head / each GEMM rate."""
-    from dsv4batch.model.model import VOCAB_TILE
+    from dsv4batch.model.head import VOCAB_TILE
 
     model, reps = engine.model, repeats + 2
     hidden, vocab, rows = model.config.hidden_size, model.config.vocab_size, engine.config.logits_slice

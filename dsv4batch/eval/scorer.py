@@ -143,10 +143,10 @@ class RayScorer(Scorer):
 
 
 def make_scorer(config: ScoreConfig, device: str | None = None, log=None) -> Scorer:
-    """`RayScorer` when `config` asks for replicas or a Ray cluster (or RAY_ADDRESS is set),
-    else `LocalScorer`."""
+    """`RayScorer` when `config` asks for replicas, ranks (--tp) or a Ray cluster (or
+    RAY_ADDRESS is set), else `LocalScorer`."""
     import os
 
-    if config.replicas > 1 or config.ray_address or os.environ.get("RAY_ADDRESS"):
+    if config.replicas > 1 or config.tp > 1 or config.ray_address or os.environ.get("RAY_ADDRESS"):
         return RayScorer(config, log)
     return LocalScorer(config, device, log)

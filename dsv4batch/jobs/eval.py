@@ -2,7 +2,7 @@
 
     dsv4batch eval --model PATH|tiny --tasks T1,T2 [--include-path DIR] [--num-fewshot N] \\
         [--limit N] [--output-path DIR] [--log-samples] [--batch-size N] [--max-length N] \\
-        [--replicas N] [--ray-address ADDR] [--model-args k=v,...]
+        [--replicas N] [--tp T] [--ray-address ADDR] [--model-args k=v,...]
 
 Runs `lm_eval.simple_evaluate(model="dsv4batch", ...)`, prints lm-eval's results table and, with
 --output-path, writes what lm-eval's own CLI writes there (`results_<time>.json`, and with
@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Compute dtype; auto = bfloat16 on CUDA, float32 on CPU.")
     p.add_argument("--replicas", type=int, help="Score on Ray Data with this many replicas.")
     p.add_argument("--ray-address", help="Score on this Ray cluster ('local': a local Ray).")
-    p.add_argument("--gpus-per-replica", type=float, help="GPUs per replica on Ray.")
+    p.add_argument("--gpus-per-replica", type=float, help="GPUs per replica (per rank with --tp) on Ray.")
+    p.add_argument("--tp", type=int, help="Ranks per replica (tensor + expert parallel) on Ray.")
     p.add_argument("--model-args", default="",
                    help="More backend arguments, k=v,...: add_bos_token, prefix_token_id, "
                         "max_batched_tokens, planner, cpus_per_replica, ...")
@@ -57,7 +58,7 @@ def model_args(args) -> dict:
     from lm_eval.utils import simple_parse_args_string
 
     out = dict(pretrained=args.model, dtype=args.dtype)
-    for key in ("max_length", "replicas", "ray_address", "gpus_per_replica"):
+    for key in ("max_length", "replicas", "tp", "ray_address", "gpus_per_replica"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     out.update(simple_parse_args_string(args.model_args) if args.model_args else {})

@@ -1,9 +1,10 @@
 """DeepSeek-V4 scoring: `Engine` (validate, schedule, score), `DSv4Model` (the computation).
 
-Layout: `config` (EngineConfig, TINY, config.json), `loader` (every checkpoint rule),
-`tokenizer`, `engine`, `head` (the vocabulary head's details), `model` (+ `layers`, `attention`, `compressor`), `step` and `layout`
-(one packed prefill step), `stats`, `quant`, `tiny`. `Engine` and `DSv4Model` import torch
-lazily: `import dsv4batch.model` stays torch-free.
+Layout: `config` (EngineConfig, TINY, config.json), `loader` (every checkpoint rule; files read
+by `tensor_file`), `tokenizer`, `engine`, `head` (the fused vocabulary head and its details),
+`model` (+ `layers`, `attention`, `compressor`), `parallel` (tensor/expert-parallel splits and
+collectives), `step` and `layout` (one packed prefill step), `stats`, `quant`, `capacity`,
+`tiny`. `Engine` and `DSv4Model` import torch lazily: `import dsv4batch.model` stays torch-free.
 """
 
 from .config import TINY, EngineConfig, ModelLoadError

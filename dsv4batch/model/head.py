@@ -1,7 +1,7 @@
 """The vocabulary head's details: log p(target), whether the target is the argmax, and top-K.
 
-`tiled_details` walks the vocabulary with `model.tiled_logprobs`'s own parts (`vocab_tiles`,
-`OnlineLogSumExp`: its logprobs are bit-identical to `Engine.score`'s) and also keeps, per row,
+`tiled_logprobs` is the fused head `Engine.score` uses; `tiled_details` walks the vocabulary with
+its own parts (`vocab_tiles`, `OnlineLogSumExp`: its logprobs are bit-identical to `score`'s) and also keeps, per row,
 the running top-K (value, id) pairs; the row max says whether the target is the argmax.
 Nothing larger than one [n, tile] block and [n, 2K] candidates exists at a time, and every step
 is row-wise: a row's result does not depend on its batch-mates.
@@ -26,6 +26,68 @@ class TokenScores(NamedTuple):
     top_logprobs: np.ndarray  # float32 [n, K]: their log-probabilities, descending
 
 
+# Vocabulary columns per head tile: a [256, 2048] fp32 logits tile (2 MiB) plus its weight rows
+# stay in L2/L3 while it is reduced, instead of streaming [256, 129280] (132 MB) through memory.
+VOCAB_TILE = 2048
+
+
+def tiled_logprobs(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   tile: int = VOCAB_TILE) -> torch.Tensor:
+    """Fused head: x [n, hidden], weight [vocab, hidden], targets [n] -> log p(target) [n] fp32.
+
+    Per vocabulary tile (`vocab_tiles`): one GEMM [n, tile], then `OnlineLogSumExp.add` (the
+    target's logit when it falls in the tile, the row max, the running sum of exp); logsumexp =
+    max + log(sum). Only one [n, tile] block exists at a time. Everything after the GEMM is
+    row-wise and the tiles come in a fixed order, so a row's result depends only on its own
+    values (and the fixed shape [n, tile] of every GEMM): batch-invariant.
+    """
+    acc = OnlineLogSumExp(targets, tile)
+    for i, _, logits in vocab_tiles(x, weight, tile):
+        acc.add(i, logits)
+    return acc.picked - acc.logsumexp()
+
+
+def vocab_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = VOCAB_TILE):
+    """Yield (tile index i, first id v0, logits [n, width] fp32) over the vocabulary in order.
+
+    The logits live in one reused [n, tile] buffer: valid until the next tile is produced."""
+    n, vocab = x.shape[0], weight.shape[0]
+    buf = torch.empty(n, min(tile, vocab), dtype=torch.float32, device=x.device)
+    for i, v0 in enumerate(range(0, vocab, tile)):
+        width = min(tile, vocab - v0)
+        logits = buf[:, :width]
+        if x.dtype == torch.float32:
+            torch.mm(x, weight[v0:v0 + width].t(), out=logits)
+        else:  # bf16/fp16 model: the GEMM accumulates in fp32 inside, the reduction runs in fp32
+            logits.copy_(torch.mm(x, weight[v0:v0 + width].t()))
+        yield i, v0, logits
+
+
+class OnlineLogSumExp:
+    """Running (max, sum of exp) per row over vocabulary tiles, and the target's logit.
+
+    targets [n] int64. `add(i, logits)` folds tile i in (shifting the tile in place: read it
+    before); after the last tile `logsumexp()` [n] and `picked` [n] (the target's raw logit)."""
+
+    def __init__(self, targets: torch.Tensor, tile: int):
+        n, dev = targets.shape[0], targets.device
+        self.run_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+        self.run_sum = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.picked = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.tile_of, self.col = targets // tile, (targets % tile).unsqueeze(1)
+
+    def add(self, i: int, logits: torch.Tensor) -> None:
+        hit = logits.gather(1, self.col.clamp(max=logits.shape[1] - 1)).squeeze(1)
+        self.picked = torch.where(self.tile_of == i, hit, self.picked)
+        new_max = torch.maximum(self.run_max, logits.amax(1))
+        self.run_sum = (self.run_sum * torch.exp(self.run_max - new_max)
+                        + logits.sub_(new_max.unsqueeze(1)).exp_().sum(1))
+        self.run_max = new_max
+
+    def logsumexp(self) -> torch.Tensor:
+        return self.run_max + self.run_sum.log()
+
+
 def sliced_details(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                    slice_rows: int, top_k: int, tp=SINGLE, vocab_start: int = 0):
     """`tiled_details` over fixed `slice_rows`-row slices (the last zero-padded), exactly as
@@ -33,8 +95,6 @@ def sliced_details(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
     Vocabulary-parallel (`tp.size` > 1): `weight` is this rank's rows, token ids
     [vocab_start, vocab_start + len(weight)); every rank calls this with the same rows."""
-    from .model import VOCAB_TILE
-
     n, k = hidden.shape[0], min(top_k, weight.shape[0])
     outs = (torch.empty(n, dtype=torch.float32, device=hidden.device),
             torch.empty(n, dtype=torch.bool, device=hidden.device),
@@ -70,8 +130,6 @@ def tiled_details(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
 def vocab_parts(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, top_k: int, tile: int):
     """One pass over `weight`'s vocabulary tiles: (target logit [n] (0 where the target is not
     among these ids), logsumexp [n], max logit [n], top ids [n, K] local, their logits [n, K])."""
-    from .model import OnlineLogSumExp, vocab_tiles
-
     n, k = x.shape[0], min(top_k, weight.shape[0])
     acc = OnlineLogSumExp(targets, tile)
     top_v = torch.full((n, k), float("-inf"), dtype=torch.float32, device=x.device)

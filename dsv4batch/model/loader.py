@@ -8,9 +8,10 @@ config.json and *.safetensors. Accepted tensor names: the native DeepSeek ones (
 
 Quantized tensors (FP8 / FP4 with a `.scale`, `model/quant.py`) are held as stored with
 `weights="stored"` (a `QuantLinear` per projection) or dequantized into the model's dtype with
-`weights="compute"`. Files are read with `Shard`: the header is parsed and each tensor's bytes are
-read straight into the parameter that holds it (no mapping of the file, no second copy), so a
-load's peak memory is the model's bytes plus at most one tensor in flight.
+`weights="compute"`. Files are read with `tensor_file.TensorFile`: the header is parsed and each
+tensor's bytes (a rank's slice of them, in a `--tp` replica: `model/parallel.py`) are read
+straight into the parameter that holds it (no mapping of the file, no second copy), so a load's
+peak memory is the model's bytes plus at most one tensor in flight.
 
 One walk (`matched_tensors`) matches checkpoint names to model tensors for `load_state` (reads
 values), `check_checkpoint` (headers only, on a `meta` model) and the capacity plan, so they
@@ -23,7 +24,6 @@ import glob
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -36,6 +36,7 @@ from .model import DSv4Model, model_tensors
 from .parallel import SINGLE, TP, check_split, rank_slice, split_of
 from .quant import (DENSE_ONLY, SCALE_SUFFIXES, StoredFormat, dequantize, detect_format, hold_stored, holder,
                     nonfinite, quantize_state, scale_name)
+from .tensor_file import TensorFile
 
 IGNORED = re.compile(r"^mtp\.")
 ALIASES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
@@ -45,95 +46,6 @@ EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 STACKED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123])(?:\.(qweight|scale))?$")
 KEEP_FP32 = re.compile(r"(norm|hc_|attn_sink|ape|gate\.bias)")  # DSv4 keeps these fp32 in any dtype
 WEIGHTS = ("stored", "compute")
-MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-          "F8_E8M0": torch.float8_e8m0fnu}
-
-
-class Shard:
-    """One safetensors file: its header (names, dtypes, shapes, byte ranges) parsed at once; a
-    tensor's bytes are read (pread) on demand, straight into the memory that will hold them."""
-
-    def __init__(self, path: str):
-        self.path, self.name, self._fd = path, os.path.basename(path), None
-        try:
-            with open(path, "rb") as fh:
-                (size,) = struct.unpack("<Q", fh.read(8))
-                if size > MAX_HEADER:
-                    raise ValueError(f"a {size}-byte header (the format's limit is {MAX_HEADER})")
-                header = json.loads(fh.read(size))
-            header.pop("__metadata__", None)
-            self.data_start = 8 + size
-            self.entries = {n: (DTYPES[e["dtype"]], tuple(e["shape"]), *e["data_offsets"]) for n, e in header.items()}
-        except (OSError, struct.error, ValueError, KeyError, TypeError, MemoryError) as exc:
-            raise ModelLoadError(f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
-        for name, (dtype, shape, begin, end) in self.entries.items():
-            if end - begin != torch.Size(shape).numel() * dtype.itemsize:
-                raise ModelLoadError(f"tensor {name!r} in {self.name}: {end - begin} bytes for {dtype} {shape}")
-
-    def keys(self) -> set[str]:
-        return set(self.entries)
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self.entries[name][0]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.entries[name][1]
-
-    def nbytes(self, name: str) -> int:
-        return self.entries[name][3] - self.entries[name][2]
-
-    def read_into(self, name: str, out: torch.Tensor, part: tuple[int, int] | None = None) -> torch.Tensor:
-        """Copy tensor `name` into `out` (same dtype, contiguous) and return `out`.
-
-        part: None (the whole tensor, `out` of its shape) or (dim, rank): rank's contiguous block
-        along dim, `out.shape[dim]` wide (a tensor-parallel slice; only its bytes are read: one
-        read per index of the dims before `dim`)."""
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        shape, offset = self.entries[name][1], self.data_start + self.entries[name][2]
-        view = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        if part is None:
-            return self._pread(name, view, offset) or out
-        dim, rank = part
-        inner = torch.Size(shape[dim + 1:]).numel() * out.element_size()
-        run, stride = out.shape[dim] * inner, shape[dim] * inner
-        offset += rank * run
-        for i in range(torch.Size(shape[:dim]).numel()):
-            self._pread(name, view[i * run:(i + 1) * run], offset + i * stride)
-        return out
-
-    def _pread(self, name: str, view: memoryview, offset: int) -> None:
-        while len(view):
-            got = os.preadv(self._fd, [view], offset)
-            if got == 0:
-                raise ModelLoadError(f"{self.name} is truncated: tensor {name!r} ends past the end of the file")
-            view, offset = view[got:], offset + got
-
-    def read(self, name: str, into: torch.Tensor | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor `name` (or its `part`, see `read_into`) as a new tensor, or copied into `into`
-        (its shape; any dtype, converted): directly when `into` has the stored dtype and is
-        contiguous, else through one temporary."""
-        dtype, shape = self.entries[name][:2]
-        if into is not None and into.dtype == dtype and into.is_contiguous():
-            return self.read_into(name, into, part)
-        if part is not None:
-            shape = list(shape)
-            shape[part[0]] = into.shape[part[0]]
-        tmp = self.read_into(name, torch.empty(shape, dtype=dtype), part)
-        if into is None:
-            return tmp
-        with torch.no_grad():
-            return into.copy_(tmp)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
 def checkpoint_tensors(params: dict, tp=SINGLE):
     """(checkpoint name, tensor) per model tensor: stacked experts split into one per expert (rank
     `tp.rank`'s block of them, under their global index), and a `QuantLinear`'s `qweight` /
@@ -225,7 +137,7 @@ class Match:
     """One checkpoint tensor and the model tensor(s) it fills."""
 
     raw: str  # its name in the checkpoint
-    shard: Shard  # the file holding it (a quantized weight's scale sits beside it)
+    shard: TensorFile  # the file holding it (a quantized weight's scale sits beside it)
     target: torch.Tensor  # the model tensor (an expert's row of a stacked [E, ...] tensor)
     scale: str | None  # the checkpoint name of its scale, if quantized
     scale_target: torch.Tensor | None  # the scale buffer when the weight is held as stored
@@ -233,7 +145,7 @@ class Match:
     split_dim: int | None = None  # the target is the rank's slice along this dim (tensor parallel)
 
     def part(self) -> tuple[int, int] | None:
-        """`Shard.read_into`'s part: (split dim, rank), or None for the whole tensor."""
+        """`TensorFile.read_into`'s part: (split dim, rank), or None for the whole tensor."""
         return None if self.split_dim is None else (self.split_dim, self.tp.rank)
 
     def full_shape(self, target: torch.Tensor) -> tuple[int, ...]:
@@ -272,7 +184,7 @@ class Match:
                                  f"{self.shard.shape(self.scale)}, expected {want} for {fmt} {full}")
 
 
-def matched_tensors(params: dict, shards: list[Shard], tp=SINGLE) -> Iterator[Match]:
+def matched_tensors(params: dict, shards: list[TensorFile], tp=SINGLE) -> Iterator[Match]:
     """Walk `shards` (sorted names per shard) and yield a `Match` per tensor that fills `params`
     (rank `tp.rank`'s slices of a `tp`-way split model: other ranks' experts are skipped).
 
@@ -301,7 +213,7 @@ def matched_tensors(params: dict, shards: list[Shard], tp=SINGLE) -> Iterator[Ma
     check_complete(params, filled, unknown, tp)
 
 
-def stored_formats(model, shards: list[Shard]) -> dict[str, StoredFormat]:
+def stored_formats(model, shards: list[TensorFile]) -> dict[str, StoredFormat]:
     """From the headers: the `hold_stored` keys (`layers.0.attn.wq_a`, `layers.2.ffn.experts.w1`)
     whose checkpoint weights are FP8/FP4 and can be held as stored. A stacked expert projection
     qualifies only when all its experts share one format; `head` and non-Linear tensors (the
@@ -357,7 +269,7 @@ def read_match(match: Match) -> None:
 
 
 @torch.no_grad()
-def load_state(model, shards: list[Shard]) -> None:
+def load_state(model, shards: list[TensorFile]) -> None:
     """Copy every checkpoint tensor into `model` (its rank's slices when `model.tp` splits it),
     checking names, shapes and finiteness."""
     try:
@@ -376,7 +288,7 @@ def meta_model(config, tp=SINGLE) -> DSv4Model:
 
 
 def prepared_model(path_or_name: str, dtype=torch.float32, weights: str = "stored", tp=SINGLE):
-    """(the `meta` model `load_model` fills, its `Shard`s or None for `TINY`): quantized projections
+    """(the `meta` model `load_model` fills, its `TensorFile`s or None for `TINY`): quantized projections
     swapped for `QuantLinear`s (`weights="stored"`), every tensor in the dtype it will be held in;
     rank `tp.rank`'s part of a `tp.size`-way split (`ValueError` naming the config field that
     does not divide)."""
@@ -388,7 +300,7 @@ def prepared_model(path_or_name: str, dtype=torch.float32, weights: str = "store
         model, shards = meta_model(tiny_config(), tp), None
     else:
         model = meta_model(load_config(path_or_name), tp)
-        shards = [Shard(f) for f in safetensors_files(path_or_name)]
+        shards = [TensorFile(f) for f in safetensors_files(path_or_name)]
         if weights == "stored":
             # the formats come from the whole model's shapes (a rank's slice of a quantized
             # weight keeps its format); FP8 slices must be whole scale blocks
@@ -421,7 +333,7 @@ def check_checkpoint(path: str, tp: int = 1) -> None:
     check_tensors(*prepared_model(path, tp=TP(0, tp)))
 
 
-def check_tensors(model, shards: list[Shard]) -> None:
+def check_tensors(model, shards: list[TensorFile]) -> None:
     """`Match.check` every checkpoint tensor against the (meta) `model` it would fill."""
     for match in matched_tensors(model_tensors(model), shards, model.tp):
         match.check()

@@ -11,6 +11,7 @@ from torch import nn
 
 from .attention import Attention
 from .config import layer_ratio
+from .head import sliced_details, tiled_logprobs
 from .layers import Linear, MoE, RMSNorm, Rope, hc_collapse, hc_mixes, hc_post, hc_pre, sigmoid
 from .parallel import SINGLE, check_split
 from .step import StepContext
@@ -129,68 +130,4 @@ class DSv4Model(nn.Module):
     def head_details(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int, top_k: int):
         """`head.sliced_details` over this rank's vocabulary slice, combined across ranks:
         (logprob [n] fp32, is_greedy [n] bool, top_ids [n, K] int64, top_logprobs [n, K] fp32)."""
-        from .head import sliced_details
-
         return sliced_details(hidden, self.head.weight, targets, slice_rows, top_k, self.tp, self.vocab_start)
-
-
-# Vocabulary columns per head tile: a [256, 2048] fp32 logits tile (2 MiB) plus its weight rows
-# stay in L2/L3 while it is reduced, instead of streaming [256, 129280] (132 MB) through memory.
-VOCAB_TILE = 2048
-
-
-def tiled_logprobs(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                   tile: int = VOCAB_TILE) -> torch.Tensor:
-    """Fused head: x [n, hidden], weight [vocab, hidden], targets [n] -> log p(target) [n] fp32.
-
-    Per vocabulary tile (`vocab_tiles`): one GEMM [n, tile], then `OnlineLogSumExp.add` (the
-    target's logit when it falls in the tile, the row max, the running sum of exp); logsumexp =
-    max + log(sum). Only one [n, tile] block exists at a time. Everything after the GEMM is
-    row-wise and the tiles come in a fixed order, so a row's result depends only on its own
-    values (and the fixed shape [n, tile] of every GEMM): batch-invariant.
-    """
-    acc = OnlineLogSumExp(targets, tile)
-    for i, _, logits in vocab_tiles(x, weight, tile):
-        acc.add(i, logits)
-    return acc.picked - acc.logsumexp()
-
-
-def vocab_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = VOCAB_TILE):
-    """Yield (tile index i, first id v0, logits [n, width] fp32) over the vocabulary in order.
-
-    The logits live in one reused [n, tile] buffer: valid until the next tile is produced."""
-    n, vocab = x.shape[0], weight.shape[0]
-    buf = torch.empty(n, min(tile, vocab), dtype=torch.float32, device=x.device)
-    for i, v0 in enumerate(range(0, vocab, tile)):
-        width = min(tile, vocab - v0)
-        logits = buf[:, :width]
-        if x.dtype == torch.float32:
-            torch.mm(x, weight[v0:v0 + width].t(), out=logits)
-        else:  # bf16/fp16 model: the GEMM accumulates in fp32 inside, the reduction runs in fp32
-            logits.copy_(torch.mm(x, weight[v0:v0 + width].t()))
-        yield i, v0, logits
-
-
-class OnlineLogSumExp:
-    """Running (max, sum of exp) per row over vocabulary tiles, and the target's logit.
-
-    targets [n] int64. `add(i, logits)` folds tile i in (shifting the tile in place: read it
-    before); after the last tile `logsumexp()` [n] and `picked` [n] (the target's raw logit)."""
-
-    def __init__(self, targets: torch.Tensor, tile: int):
-        n, dev = targets.shape[0], targets.device
-        self.run_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
-        self.run_sum = torch.zeros(n, dtype=torch.float32, device=dev)
-        self.picked = torch.zeros(n, dtype=torch.float32, device=dev)
-        self.tile_of, self.col = targets // tile, (targets % tile).unsqueeze(1)
-
-    def add(self, i: int, logits: torch.Tensor) -> None:
-        hit = logits.gather(1, self.col.clamp(max=logits.shape[1] - 1)).squeeze(1)
-        self.picked = torch.where(self.tile_of == i, hit, self.picked)
-        new_max = torch.maximum(self.run_max, logits.amax(1))
-        self.run_sum = (self.run_sum * torch.exp(self.run_max - new_max)
-                        + logits.sub_(new_max.unsqueeze(1)).exp_().sum(1))
-        self.run_max = new_max
-
-    def logsumexp(self) -> torch.Tensor:
-        return self.run_max + self.run_sum.log()

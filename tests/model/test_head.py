@@ -3,8 +3,7 @@
 import numpy as np
 import torch
 
-from dsv4batch.model.head import tiled_details
-from dsv4batch.model.model import VOCAB_TILE, tiled_logprobs
+from dsv4batch.model.head import VOCAB_TILE, tiled_details, tiled_logprobs
 
 
 def test_details_match_a_full_log_softmax_and_the_scoring_head():

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsv4batch.model import TINY, Engine, EngineConfig
 from dsv4batch.model.compressor import canonical_topk, tie_free_keys
 from dsv4batch.model.layout import RatioLayout
-from dsv4batch.model.model import tiled_logprobs
+from dsv4batch.model.head import tiled_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -2,23 +2,8 @@
 
 from __future__ import annotations
 
-from dsv4batch.pipeline.config import ScoreConfig, resolved_dtype
-
-
-def pick_device(num_gpus: float) -> str:
-    """CUDA when the actor holds a GPU and CUDA works; otherwise the CPU backend.
-
-    Logical GPUs (tests, `ray.cluster_utils.Cluster`) have no CUDA device: they fall back to CPU.
-    """
-    import torch
-
-    return "cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu"
-
-
-def torch_dtype(name: str, device: str):
-    import torch
-
-    return getattr(torch, resolved_dtype(name, device))
+from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.stages.device import pick_device, torch_dtype
 
 
 def load_engine(config: ScoreConfig, num_gpus: float):

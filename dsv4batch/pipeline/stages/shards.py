@@ -28,7 +28,7 @@ import time
 
 from dsv4batch.pipeline.config import ScoreConfig
 from dsv4batch.pipeline.errors import ReplicaLost, one_line
-from dsv4batch.pipeline.stages.replica import pick_device, torch_dtype
+from dsv4batch.pipeline.stages.device import pick_device, torch_dtype
 
 
 class RankWorker:
@@ -138,6 +138,10 @@ class ShardedEngine:
             self.ranks = wait_all([w.setup.remote(init, self.config, self.num_gpus) for w in self.workers], timeout)
             if self.engine_config is not None:  # a restart keeps what `configure` set
                 wait_all([w.configure.remote(self.engine_config) for w in self.workers], timeout)
+        except ray.exceptions.RayTaskError as exc:
+            self.stop()
+            # a rank's own error (the loader's ModelLoadError, ...), by its type, not Ray's wrapper
+            raise (exc.cause if isinstance(exc.cause, Exception) else exc) from None
         except BaseException:
             self.stop()
             raise
