@@ -130,6 +130,10 @@ class RayScorer(Scorer):
                     out[i] = (float(lp), bool(greedy))
         finally:
             ray.kill(collector)
+            if self.config.tp > 1:
+                from dsv4batch.pipeline.stages.shards import release_groups
+
+                release_groups()  # this call's replicas are done: free their GPUs for the next
         missing = [i for i, o in enumerate(out) if o is None]
         if missing:
             raise RuntimeError(f"{len(missing)} request(s) came back without a score")

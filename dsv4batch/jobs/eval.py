@@ -105,7 +105,7 @@ def evaluate(args, log) -> dict:
     import dsv4batch.eval  # noqa: F401 - registers the "dsv4batch" model with lm-eval
     from dsv4batch.pipeline.runner import check_model
 
-    check_model(args.model)
+    check_model(args.model, args.tp or 1)
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     manager = TaskManager(include_path=args.include_path)
     check_tasks(names, manager)

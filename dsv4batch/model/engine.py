@@ -139,6 +139,8 @@ class Engine:
         plans = [step_plans(segs, model.ratios, window, self.config, stats) for segs in steps] \
             if tp.rank == 0 else None
         plans = tp.broadcast_object(plans)
+        if len(plans) != len(steps):  # ranks cut the batch differently: never run unmatched collectives
+            raise RuntimeError(f"rank {tp.rank} has {len(steps)} steps, rank 0 planned {len(plans)}")
         for segs, plan in zip(steps, plans):
             ctx = StepContext(segs, ratios=model.ratios, window=window, config=self.config,
                               ropes=model.ropes, pool=self.pool, stats=stats, device=device, plans=plan)

@@ -317,7 +317,7 @@ def prepared_model(path_or_name: str, dtype=torch.float32, weights: str = "store
     return model, shards
 
 
-def check_checkpoint(path: str, tp: int = 1) -> None:
+def check_checkpoint(path: str, tp: int = 1, weights: str = "stored") -> None:
     """Raise `ModelLoadError` unless the folder `path` would load (no tensor data is read), or
     `parallel.SplitError` naming the config field when it cannot be split `tp` ways.
 
@@ -330,7 +330,7 @@ def check_checkpoint(path: str, tp: int = 1) -> None:
         from .tiny import tiny_config
 
         return check_split(tiny_config(), tp)
-    check_tensors(*prepared_model(path, tp=TP(0, tp)))
+    check_tensors(*prepared_model(path, weights=weights, tp=TP(0, tp)))
 
 
 def check_tensors(model, shards: list[TensorFile]) -> None:

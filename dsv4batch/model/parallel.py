@@ -110,8 +110,16 @@ class TP:
 
             t0 = time.perf_counter()
             dist.all_reduce(t, group=self.group)
+            self._synchronize(t)
             self.collective_s += time.perf_counter() - t0
         return t
+
+    @staticmethod
+    def _synchronize(t: torch.Tensor) -> None:
+        """NCCL returns once the collective is queued: wait for it, so `collective_s` is its time
+        (the next op needs the result anyway)."""
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
 
     def broadcast_object(self, obj):
         """Rank 0's `obj` on every rank (picklable; `obj` itself when size == 1)."""
@@ -134,6 +142,7 @@ class TP:
         t0 = time.perf_counter()
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
+        self._synchronize(t)
         self.collective_s += time.perf_counter() - t0
         return torch.stack(parts)
 

@@ -40,6 +40,11 @@ def resolve(config: ScoreConfig) -> ScoreConfig:
     cpus = config.cpus_per_replica
     if cpus is None:
         cpus = 1.0 if gpus > 0 else 0.5
+    if config.tp > 1 and gpus not in (0, 1):
+        raise UsageError(f"--tp {config.tp} puts one rank on one GPU: --gpus-per-replica (per rank) "
+                         f"must be 1 or 0 (the CPU backend), got {gpus:g}")
+    if config.tp > 1 and gpus == 0 and cpus <= 0:
+        raise UsageError(f"--tp {config.tp} on the CPU backend needs --cpus-per-replica > 0 per rank")
     total, ranks = cluster.get("CPU", 0), config.replicas * config.tp
     per = f"{config.replicas} replica(s)" + (f" x {config.tp} ranks" if config.tp > 1 else "")
     need = ranks * cpus + config.tokenize_concurrency * config.tokenize_num_cpus
@@ -90,8 +95,10 @@ def check_capacity(config: ScoreConfig, cluster: dict, log) -> None:
                              config.max_batched_tokens, dtype=config.compute()["dtype"],
                              weights=config.weights_dtype)
     if not fits:
-        raise UsageError(f"model {config.model!r} does not fit {config.tp} {gib:g} GiB GPU(s) per "
-                         f"replica ({why}); see `dsv4batch plan --model {config.model}`")
+        gpus = "one" if config.tp == 1 else str(config.tp)
+        raise UsageError(f"model {config.model!r} does not fit {gpus} {gib:g} GiB GPU"
+                         f"{'' if config.tp == 1 else 's'} per replica ({why}); see "
+                         f"`dsv4batch plan --model {config.model}`")
 
 
 def _check_schema(dataset, needed) -> None:

@@ -26,7 +26,7 @@ from dsv4batch.pipeline.errors import JobFailed, RowCountError, UsageError
 from dsv4batch.pipeline.stats import Written
 
 
-def check_model(model: str, tp: int = 1) -> None:
+def check_model(model: str, tp: int = 1, weights: str = "stored") -> None:
     """The model folder's config and safetensors headers, checked before Ray starts (cheap: no
     tensor data is read); a folder that cannot load, or a model that cannot be split `tp` ways,
     is a `UsageError` naming the problem (the config field, for a split)."""
@@ -35,7 +35,7 @@ def check_model(model: str, tp: int = 1) -> None:
     from dsv4batch.model.parallel import SplitError
 
     try:
-        check_checkpoint(model, tp)
+        check_checkpoint(model, tp, weights)
     except (ModelLoadError, SplitError) as exc:
         raise UsageError(f"model {model!r}: {exc}") from exc
 
@@ -52,7 +52,7 @@ def run(config: ScoreConfig, *, log=None) -> dict:
     info = inspect_input(config.input, exclude=config.output, input_format=config.input_format,
                          text_columns=(config.text_column, config.target_column))
     check_input(info, config)
-    check_model(config.model, config.tp)
+    check_model(config.model, config.tp, config.weights_dtype)
     run_id = uuid.uuid4().hex[:8]
     lease = Lease(*open_fs(config.output), run_id, log).acquire()
     try:

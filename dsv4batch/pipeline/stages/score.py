@@ -136,6 +136,8 @@ class ScoringActor:
                 try:
                     out, one = self._call([ids[i]])
                     results[i], stats = tail(out[0], int(scored[i])), stats + one
+                except ReplicaLost:
+                    raise  # a rank died meanwhile: retry the batch, do not blame the row
                 except Exception as exc:  # noqa: PERF203 - isolate the failing rows
                     errors[i] = row_error(exc)
                     failures.append(exc)

@@ -174,24 +174,35 @@ class ShardedEngine:
         `ValueError` for a bad request (before any rank sees it); `ReplicaLost` when a rank fails."""
         from dsv4batch.model.engine import validate
 
+        if not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
         max_len = (self.engine_config or self.config).max_model_len
         requests = [a.tolist() for a in validate(batch, self.model_config.vocab_size, max_len)]
         if not self.workers:  # the last restart failed: try again now
-            self._restart(None)
+            try:
+                self.start()
+            except Exception as exc:
+                raise ReplicaLost(f"the tp={self.config.tp} replica has no ranks: starting them failed "
+                                  f"({one_line(exc)})") from exc
         refs = [w.score.remote(requests, top_k) for w in self.workers]
         try:
-            results = wait_all(refs, self.config.batch_timeout_s)
+            # before the scoring actor's watchdog (batch_timeout_s): a hung rank restarts the
+            # ranks, not the actor
+            results = wait_all(refs, 0.9 * self.config.batch_timeout_s)
         except Exception as exc:
             self._restart(exc)
         outs, stats = results[0]
         return outs, stats
 
-    def _restart(self, cause: BaseException | None) -> None:
-        """New workers in the same bundles; raises `ReplicaLost` (the batch is retried)."""
+    def _restart(self, cause: BaseException) -> None:
+        """New workers in the same bundles; raises `ReplicaLost` (the batch is retried).
+
+        Any rank failure restarts all ranks: after a collective failed or timed out the group is
+        unusable (NCCL aborts its communicator), and a rank that raised mid-step left its peers
+        waiting in a collective."""
         self.stop()
         self.restarts += 1
-        why = f"a rank of the tp={self.config.tp} replica failed ({one_line(cause)})" if cause else \
-            f"the tp={self.config.tp} replica had no ranks"
+        why = f"a rank of the tp={self.config.tp} replica failed ({one_line(cause)})"
         try:
             self.start()
         except Exception as exc:
@@ -213,9 +224,13 @@ def release_groups() -> int:
     import ray
     from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
-    prefix = f"{GROUP_PREFIX}-{ray.get_runtime_context().get_job_id()}-"
+    try:
+        prefix = f"{GROUP_PREFIX}-{ray.get_runtime_context().get_job_id()}-"
+        table = placement_group_table()
+    except Exception:  # noqa: BLE001 - Ray is going down (after a failure): it removes them itself
+        return 0
     removed = 0
-    for group_id, entry in placement_group_table().items():
+    for group_id, entry in table.items():
         if entry.get("name", "").startswith(prefix) and entry.get("state") != "REMOVED":
             try:
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))

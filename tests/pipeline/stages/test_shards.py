@@ -17,7 +17,9 @@ from dsv4batch.pipeline.stages.shards import ShardedEngine, release_groups
 from tests.model_factory import make_hf_checkpoint
 
 PLANNERS = ("adaptive", "fixed", "dp", "single")
-TOL = 1e-5  # logprobs: fp32 rounding of the split sums (wo_b, MoE) and of the vocab combination
+# logprobs: fp32 rounding of the split sums (wo_b, MoE) and of the vocab combination; 1e-6
+# relative leaves room for another CPU's BLAS rounding (~8 ulps of a logprob near -12)
+ATOL, RTOL = 1e-5, 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +48,10 @@ def sharded(path, tp, **kw):
 
 def check_equal(ref, got):
     for a, b in zip(ref, got, strict=True):
-        np.testing.assert_allclose(b.logprobs, a.logprobs, rtol=0, atol=TOL)
+        np.testing.assert_allclose(b.logprobs, a.logprobs, rtol=RTOL, atol=ATOL)
         np.testing.assert_array_equal(b.is_greedy, a.is_greedy)
         np.testing.assert_array_equal(b.top_ids, a.top_ids)
-        np.testing.assert_allclose(b.top_logprobs, a.top_logprobs, rtol=0, atol=TOL)
+        np.testing.assert_allclose(b.top_logprobs, a.top_logprobs, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -102,7 +104,7 @@ def test_a_stopped_rank_times_out_instead_of_hanging(local_ray, checkpoints):
         pid = engine.ranks[0]["pid"]
         os.kill(pid, signal.SIGSTOP)
         try:
-            with pytest.raises(ReplicaLost, match="did not answer within 20 s"):
+            with pytest.raises(ReplicaLost, match="did not answer within 18 s"):
                 engine.score_details(requests(), top_k=0)
         finally:
             try:
