@@ -147,7 +147,7 @@ class ShardedEngine:
             raise
 
     def stop(self) -> None:
-        """Kill the workers (their group dies with them)."""
+        """Kill the workers (their torch.distributed group dies with them; the bundles stay)."""
         import ray
 
         for w in self.workers:
@@ -164,8 +164,6 @@ class ShardedEngine:
 
     def configure(self, engine_config) -> None:
         """Every rank scores with `engine_config` (a `model.EngineConfig`) from now on."""
-        import ray
-
         self.engine_config = engine_config
         wait_all([w.configure.remote(engine_config) for w in self.workers], self.config.batch_timeout_s)
 
