@@ -212,12 +212,7 @@ def scaling(engine, lengths, repeats: int) -> dict:
 def cpu_best(fn, repeats: int) -> float:
     """Least process CPU time of `repeats` calls after one warm-up (time the machine ran us)."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t0)
-    return best
+    return best_of(fn, repeats, clock=time.process_time)
 
 
 def gemm_rates(engine, repeats: int) -> dict:

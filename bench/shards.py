@@ -35,6 +35,10 @@ def on_paper(tp_choices=(1, 2, 4, 8)) -> dict:
     from dsv4batch.model.quant import NATIVE_FP8, StoredFormat, hold_stored
     from tests.model.test_quant_layout import FLASH, PRO  # the reference's config tables
 
+    def held_bytes(model) -> dict[str, int]:  # as a bf16 load holds it: fp32 only where DSv4 keeps it
+        return {n: p.numel() * (p.element_size() if p.dtype != torch.float32 or KEEP_FP32.search(n) else 2)
+                for n, p in model_tensors(model).items()}
+
     fp8 = StoredFormat("fp8", torch.float8_e4m3fn, torch.float8_e8m0fnu)
     fp4 = StoredFormat("fp4", torch.int8, torch.float8_e8m0fnu)
     out = {}
@@ -51,12 +55,9 @@ def on_paper(tp_choices=(1, 2, 4, 8)) -> dict:
         for t in tp_choices:
             model = meta_model(config, TP(0, t))
             hold_stored(model, formats)
-            sizes = {n: p.numel() * (p.element_size() if p.dtype != torch.float32 or KEEP_FP32.search(n) else 2)
-                     for n, p in model_tensors(model).items()}
-            rows[t] = sum(sizes.values())
+            rows[t] = sum(held_bytes(model).values())
         hold_stored(whole, formats)
-        full = {n: p.numel() * (p.element_size() if p.dtype != torch.float32 or KEEP_FP32.search(n) else 2)
-                for n, p in model_tensors(whole).items()}
+        full = held_bytes(whole)
         split = weight_bytes(full)
         plan = plan_capacity(config, full, gpu_memory_bytes=141 * 2**30, max_model_len=65536,
                              max_batched_tokens=8192)
@@ -70,10 +71,10 @@ def on_paper(tp_choices=(1, 2, 4, 8)) -> dict:
 def measure(num_requests: int, repeats: int) -> dict:
     import ray
 
+    import numpy as np
+
     from dsv4batch.pipeline.config import ScoreConfig
     from dsv4batch.pipeline.stages.shards import ShardedEngine
-
-    import numpy as np
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(64, 512, num_requests).tolist()
