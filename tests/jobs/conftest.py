@@ -109,3 +109,21 @@ def alive_pipeline_actors(address: str) -> list:
     # the module's own cluster by address: other Ray instances may run on the same machine
     return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
             if a.class_name.startswith("MapWorker(")]
+
+
+def gpu_cluster(gpus_per_node: int):
+    """A `ray.cluster_utils.Cluster` for one test module: a CPU head and two worker nodes with
+    `gpus_per_node` logical GPUs; yields (cluster, worker node ids). Logical CPUs: 2 per node, so
+    1-CPU read/write tasks still fit next to the fractional actors."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():  # one Ray per module: never inherit another module's
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    workers = [c.add_node(num_cpus=2, num_gpus=gpus_per_node) for _ in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="WARNING")
+    yield c, {w.node_id for w in workers}
+    ray.shutdown()
+    c.shutdown()

@@ -6,24 +6,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from dsv4batch.jobs.score import main
-from tests.jobs.conftest import TEXTS, read_output
+from tests.jobs.conftest import TEXTS, gpu_cluster, read_output
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():  # one Ray per module: never inherit another module's
-        ray.shutdown()
-    # logical CPUs: 2 per node, so 1-CPU read/write tasks still fit next to the fractional actors
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    workers = [c.add_node(num_cpus=2, num_gpus=1) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="WARNING")
-    yield c, {w.node_id for w in workers}
-    ray.shutdown()
-    c.shutdown()
+    yield from gpu_cluster(1)
 
 
 def test_one_actor_per_gpu_node(tmp_path, checkpoint, cluster):

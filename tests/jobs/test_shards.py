@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from dsv4batch.jobs.score import main
-from tests.jobs.conftest import FAST, finished, parts, wait_for, write_input
+from tests.jobs.conftest import FAST, finished, gpu_cluster, parts, wait_for, write_input
 
 TP2 = ["--tp", "2", "--gpus-per-replica", "1", "--cpus-per-replica", "0.25", "--tokenize-concurrency", "1",
        "--collective-timeout-s", "60"]
@@ -17,18 +17,7 @@ TP2 = ["--tp", "2", "--gpus-per-replica", "1", "--cpus-per-replica", "0.25", "--
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():  # one Ray per module: never inherit another module's
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    workers = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="WARNING")
-    yield c, {w.node_id for w in workers}
-    ray.shutdown()
-    c.shutdown()
+    yield from gpu_cluster(2)
 
 
 def rank_pids() -> list[int]:
