@@ -96,10 +96,16 @@ def sparse_mla_prefill(
     *,
     d_v: Optional[int] = None,
     backend: str = "auto",
+    query_blocks=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill: returns ``(out [s_q,h_q,d_v] q.dtype, max_logits [s_q,h_q] fp32,
     lse [s_q,h_q] fp32)``.  Shapes, dtypes and edge cases: see the module docstring; the
-    definition is :func:`dsv4batch.kernels.reference.sparse_mla_prefill_torch`."""
+    definition is :func:`dsv4batch.kernels.reference.sparse_mla_prefill_torch`.
+
+    ``query_blocks``: optional increasing boundaries ``[0, ..., s_q]`` of consecutive queries
+    that share most of their slots (one request's neighbouring positions). A hint, not part of
+    the contract: the torch backend may attend over a block's union of slots at once (the same
+    result up to fp32 rounding); FlashMLA ignores it."""
     check_shapes(q, kv, indices, d_v)
     if attn_sink is not None and attn_sink.numel() != q.shape[1]:
         raise ValueError(f"attn_sink must be [h_q={q.shape[1]}], got {tuple(attn_sink.shape)}")
@@ -107,4 +113,5 @@ def sparse_mla_prefill(
         raise ValueError(f"topk_length must be [s_q={q.shape[0]}], got {tuple(topk_length.shape)}")
     if _resolve(backend, q, d_v) == "flashmla":
         return _flashmla.sparse_mla_prefill_flashmla(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)
-    return sparse_mla_prefill_torch(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)
+    return sparse_mla_prefill_torch(q, kv, indices, sm_scale, attn_sink, topk_length, d_v,
+                                    query_blocks=query_blocks)

@@ -1,15 +1,26 @@
 """Torch backend of :func:`dsv4batch.kernels.sparse_mla_prefill`; this code *is* the definition.
 
 Same contract as FlashMLA ``flash_mla_sparse_fwd`` (see ``dsv4batch/kernels/__init__.py``).
-It is the CPU hot path of the engine: queries are grouped by how many slots they use and
-processed in slices, each slice does one gather of its K rows and two batched matmuls in fp32
-(fp64 when q is fp64); no Python loop per query or head.  Memory per slice is bounded by
-``slice_elems``.
+It is the CPU hot path of the engine, with two ways through it (same maths, fp32; fp64 when q is
+fp64; no Python loop per query or head):
+
+* **dense blocks** (only with ``query_blocks``): a block of consecutive queries that share most
+  of their slots (one request's neighbouring positions: the same window, mostly the same
+  compressed entries) attends over the *union* of its valid slots at once, gathered once: one
+  GEMM ``[n * h_q, d_qk] x [d_qk, u]`` for the logits, one ``[n * h_q, u] x [u, d_v]`` for the
+  output, each query's own slots kept by a mask. Taken when ``n * u <= DENSE_FACTOR * sum of
+  the queries' slot counts`` (little wasted work), else the block falls through to
+* **gathered slices**: queries grouped by how many slots they use, each slice one gather of its
+  K rows per query and two batched matmuls. Memory per slice is bounded by ``slice_elems``.
+
+A query's arithmetic depends only on its own indices and, in a dense block, its block-mates':
+callers that make blocks from one request's positions (``model/layout.py``: aligned to absolute
+positions, cut at request ends) keep a request's results independent of its batch-mates.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -18,6 +29,10 @@ import torch
 CPU_SLICE_ELEMS = 1 << 22
 CUDA_SLICE_ELEMS = 1 << 25
 KC_ALIGN = 16  # slots are padded to whole 16-float vectors
+# Dense blocks: the union of a block's slots may cost at most this much more work than the
+# slots themselves (the two GEMMs run several times faster than per-query batched matmuls).
+DENSE_FACTOR = 2
+QUERY_BLOCK = 32  # queries per dense block (measured best of 16 / 32 / 64 on dsv4-shape: 128-256 GEMM rows)
 
 
 def check_shapes(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: Optional[int]) -> None:
@@ -43,8 +58,12 @@ def sparse_mla_prefill_torch(
     topk_length: Optional[torch.Tensor] = None,
     d_v: Optional[int] = None,
     slice_elems: Optional[int] = None,
+    query_blocks: Optional[Sequence[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shapes/dtypes/edge cases: see ``sparse_mla_prefill``. ``slice_elems`` bounds one slice."""
+    """Shapes/dtypes/edge cases: see ``sparse_mla_prefill``. ``slice_elems`` bounds one slice.
+
+    query_blocks: increasing query boundaries ``[0, b_1, ..., s_q]`` (ints): the candidate dense
+    blocks ``[b_i, b_i+1)`` (see the module docstring); None: gathered slices only."""
     check_shapes(q, kv, indices, d_v)
     s_q, h_q, d_qk = q.shape
     s_kv, topk = kv.shape[0], indices.shape[-1]
@@ -79,9 +98,20 @@ def sparse_mla_prefill_torch(
     # query no longer pays for the widest query of its slice.
     ncols = ((~invalid) * torch.arange(1, topk + 1, device=dev, dtype=torch.int32)).amax(1).cpu()
     kcq = (ncols + KC_ALIGN - 1) // KC_ALIGN * KC_ALIGN
+    sink = None if attn_sink is None else attn_sink.to(dev, cdt).reshape(1, h_q)
+    if query_blocks is not None:
+        bounds = [int(b) for b in query_blocks]
+        if bounds[0] != 0 or bounds[-1] != s_q or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"query_blocks must rise strictly from 0 to s_q={s_q}")
+        cost = torch.cat([kcq.new_zeros(1), torch.cumsum(kcq, 0)]).tolist()
+        for a, b in zip(bounds, bounds[1:]):
+            if _dense_block(q, kvz, gidx, invalid, a, b, cost[b] - cost[a], sm_scale, sink, d_v,
+                            (out, max_logits, lse)):
+                kcq[a:b] = -1  # done: left out of the slices below
     order = torch.argsort(kcq, stable=True)
     widths, counts = torch.unique_consecutive(kcq[order], return_counts=True)
-    sink = None if attn_sink is None else attn_sink.to(dev, cdt).reshape(1, h_q)
+    if counts.numel() and int(widths[0]) == -1:  # the dense blocks' queries
+        order, widths, counts = order[int(counts[0]):], widths[1:], counts[1:]
     if slice_elems is None:
         slice_elems = CUDA_SLICE_ELEMS if dev.type == "cuda" else CPU_SLICE_ELEMS
     pieces, a = [], 0  # (first, end, kc) in sorted order; lonely queries (kc 0) keep 0 / -inf / +inf
@@ -108,19 +138,51 @@ def sparse_mla_prefill_torch(
         p = pbuf[: n * h_q * kc].view(n, h_q, kc)
         torch.bmm(q[sel].to(cdt), k.transpose(1, 2), out=p).mul_(sm_scale)    # [n, h_q, kc]
         p.masked_fill_(invalid[sel, None, :kc], -inf)
-        m = p.amax(-1)                                                         # [n, h_q]
-        m_safe = torch.where(m == -inf, 0.0, m)                                # lonely rows: 0
-        p.sub_(m_safe.unsqueeze(-1)).exp_()
-        denom = p.sum(-1)
-        lse_s = torch.where(denom > 0, m_safe + denom.log(), inf)              # lonely -> +inf
-        lse_o = lse_s
-        if sink is not None:                                                   # sink -inf: exact no-op
-            # logaddexp as max + log1p(exp(-|d|)): torch.logaddexp rounds a tensor's last
-            # (len % vector width) elements on a scalar path, tying a query's bits to its slice.
-            gap = (lse_s - sink).abs().nan_to_num_(nan=inf)                    # inf - inf: 0 weight
-            lse_o = torch.where(sink == -inf, lse_s, torch.maximum(lse_s, sink) + torch.log1p(torch.exp(-gap)))
-        o = torch.bmm(p, k[..., :d_v], out=obuf[: n * h_q * d_v].view(n, h_q, d_v))
-        out[sel] = o.mul_(torch.exp(m_safe - lse_o).unsqueeze(-1)).to(out.dtype)
+        o_buf = obuf[: n * h_q * d_v].view(n, h_q, d_v)
+        o, m, lse_s = _softmax_values(p, sink, lambda w: torch.bmm(w, k[..., :d_v], out=o_buf))
+        out[sel] = o.to(out.dtype)
         max_logits[sel] = m
         lse[sel] = lse_s
     return out, max_logits, lse
+
+
+def _softmax_values(p: torch.Tensor, sink, values):
+    """p [n, h_q, w] scaled logits, -inf where invalid (overwritten) -> (out [n, h_q, d_v] =
+    softmax-with-sink(p) @ V, max_logits [n, h_q], lse [n, h_q]); `values(weights)` does the
+    @ V on the unnormalised weights. Lonely rows: out 0, max -inf, lse +inf."""
+    inf = float("inf")
+    m = p.amax(-1)                                                             # [n, h_q]
+    m_safe = torch.where(m == -inf, 0.0, m)                                    # lonely rows: 0
+    p.sub_(m_safe.unsqueeze(-1)).exp_()
+    denom = p.sum(-1)
+    lse_s = torch.where(denom > 0, m_safe + denom.log(), inf)                  # lonely -> +inf
+    lse_o = lse_s
+    if sink is not None:                                                       # sink -inf: exact no-op
+        # logaddexp as max + log1p(exp(-|d|)): torch.logaddexp rounds a tensor's last
+        # (len % vector width) elements on a scalar path, tying a query's bits to its slice.
+        gap = (lse_s - sink).abs().nan_to_num_(nan=inf)                        # inf - inf: 0 weight
+        lse_o = torch.where(sink == -inf, lse_s, torch.maximum(lse_s, sink) + torch.log1p(torch.exp(-gap)))
+    return values(p).mul_(torch.exp(m_safe - lse_o).unsqueeze(-1)), m, lse_s
+
+
+def _dense_block(q, kvz, gidx, invalid, a: int, b: int, slots: int, sm_scale: float, sink, d_v: int,
+                 outs) -> bool:
+    """Queries [a, b) over the union of their valid slots, written into `outs` = (out,
+    max_logits, lse); False (nothing written) when the union is empty or too wide for
+    `DENSE_FACTOR` against `slots` (the queries' KC_ALIGN-rounded slot counts summed)."""
+    n, h_q, d_qk = b - a, q.shape[1], q.shape[2]
+    g, valid = gidx[a:b], ~invalid[a:b]
+    union = torch.unique(g[valid])                                             # sorted kv rows
+    u = union.numel()
+    if u == 0 or n * u > DENSE_FACTOR * slots:
+        return False
+    # each valid slot's column in the union; invalid slots land in a dropped extra column
+    col = torch.where(valid, torch.searchsorted(union, g), u)
+    keep = torch.zeros(n, u + 1, dtype=torch.bool, device=q.device).scatter_(1, col, True)[:, :u]
+    k = kvz.index_select(0, union)                                             # [u, d_qk]
+    p = torch.mm(q[a:b].reshape(n * h_q, d_qk).to(k.dtype), k.t()).view(n, h_q, u).mul_(sm_scale)
+    p.masked_fill_(~keep.unsqueeze(1), float("-inf"))
+    o, m, lse_s = _softmax_values(p, sink, lambda w: torch.mm(w.view(n * h_q, u), k[:, :d_v]).view(n, h_q, d_v))
+    out, max_logits, lse = outs
+    out[a:b], max_logits[a:b], lse[a:b] = o.to(out.dtype), m, lse_s
+    return True

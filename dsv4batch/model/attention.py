@@ -107,7 +107,8 @@ class Attention(nn.Module):
             else:
                 indices, lens = lay.static_indices(ci, chunk)
             o, _, _ = sparse_mla_prefill(q[chunk.q0:chunk.q1], ws.view(-1, 1, self.head_dim), indices.unsqueeze(1),
-                                         scale, attn_sink=self.attn_sink, topk_length=lens, backend=backend)
+                                         scale, attn_sink=self.attn_sink, topk_length=lens, backend=backend,
+                                         query_blocks=chunk.query_blocks)
             if single:
                 out = o
             else:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..kernels.reference import QUERY_BLOCK
+
 
 def ranges(starts, lengths) -> np.ndarray:
     """Concatenated aranges: [starts[0], starts[0] + lengths[0]) ++ [starts[1], ...) as int64."""
@@ -97,6 +99,9 @@ class ChunkLayout:
 
     ws_index [(e-s)*M]: table row for every workspace row (pad -> zero row).
     row_base/win_base/win_len/comp_len [s_q]: pieces of the combined indices (see `combine`).
+    query_blocks: boundaries [0, ..., s_q] (list of ints) of the kernel's candidate dense blocks:
+    one request's queries cut at absolute positions that are multiples of `QUERY_BLOCK` (a
+    request's blocks, hence its arithmetic, do not depend on its chunk-mates).
     For the indexer (ratio 4): key_index [E_c] table rows of the chunk's entries, request after
     request (E_c = sum of the chunk's compressed counts); key_lo [s_q] where the query's request
     starts in it (its visible keys are key_lo + [0, comp_len)).
@@ -121,6 +126,9 @@ class ChunkLayout:
         key_end = np.cumsum(comp)
         self.key_lo = (key_end - comp)[per_query]
         self.key_bounds = (self.key_lo, key_end[per_query])  # numpy copies for `query_slices`
+        first = np.zeros(len(p), bool)
+        first[(lay.cu[s:e] - lay.cu[s])[q_len > 0]] = True  # each request's first query
+        self.query_blocks = np.append(np.flatnonzero(first | (p % QUERY_BLOCK == 0)), len(p)).tolist()
         self.ws_index = ws
         self.slices = {}
 

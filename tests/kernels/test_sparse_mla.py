@@ -325,3 +325,57 @@ def test_torch_backend_is_batch_invariant():
         alone = sparse_mla_prefill(q[i:i + 1], kv, idx[i:i + 1], 0.2, sink, lens[i:i + 1], backend="torch")
         for a, b in zip(alone, together):
             assert torch.equal(a[0], b[i])
+
+
+def window_case(s_q, h_q, d_qk, window, *, seed=0, num_requests=2):
+    """Indices like one SWA chunk: request r's queries see their last `window` rows of r's
+    own block of kv rows (valid first, -1 padded), plus a few garbage slots past topk_length."""
+    g = torch.Generator().manual_seed(seed)
+    per = s_q // num_requests
+    s_kv = s_q + 7
+    q = torch.randn(s_q, h_q, d_qk, generator=g)
+    kv = torch.randn(s_kv, 1, d_qk, generator=g)
+    kv[s_q:] = float("nan")  # rows no query may use
+    idx = torch.full((s_q, 1, window + 4), -1, dtype=torch.int32)
+    tl = torch.empty(s_q, dtype=torch.int32)
+    for i in range(s_q):
+        r0 = (i // per) * per
+        rows = torch.arange(max(r0, i - window + 1), i + 1)
+        idx[i, 0, :len(rows)] = rows.to(torch.int32)
+        idx[i, 0, len(rows):] = s_q + 3  # a NaN row, but past topk_length
+        tl[i] = len(rows)
+    bounds = sorted({0, s_q} | {r for r in range(0, s_q, per)} | set(range(0, s_q, 16)))
+    return q, kv, idx, tl, bounds
+
+
+@pytest.mark.parametrize("sink_kind", ["none", "finite", "mixed"])
+def test_dense_blocks_match_dense_reference(sink_kind):
+    from dsv4batch.kernels.reference import _dense_block
+
+    q, kv, idx, tl, bounds = window_case(64, 4, 32, 24, seed=3)
+    idx[5, 0, :] = -1  # a lonely query inside a dense block
+    tl[5] = 0
+    sink = {"none": None, "finite": torch.randn(4), "mixed": torch.tensor([-INF, 0.5, INF, 4.0])}[sink_kind]
+    want = dense_reference(q, kv, idx, 0.3, sink, tl)
+    got = sparse_mla_prefill(q, kv, idx, 0.3, sink, tl, backend="torch", query_blocks=bounds)
+    check(got, want, FP32_TOL)
+    assert torch.equal(got[0][5], torch.zeros_like(got[0][5])) and got[2][5].eq(INF).all()
+    # the same as the gathered slices alone (up to rounding), and the dense path was taken
+    alone = sparse_mla_prefill(q, kv, idx, 0.3, sink, tl, backend="torch")
+    for x, y in zip(got, alone):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+    outs = tuple(torch.zeros_like(t) for t in got)
+    valid = (torch.arange(idx.shape[-1]) < tl[:, None]) & (idx[:, 0] >= 0)
+    gidx = torch.where(valid, idx[:, 0].long(), kv.shape[0])
+    kvz = torch.cat([kv[:, 0], torch.zeros(1, 32)])
+    assert _dense_block(q, kvz, gidx, ~valid, 16, 32, 16 * 32, 0.3, None, 32, outs)
+    assert not _dense_block(q, kvz, gidx, ~valid, 16, 32, 16, 0.3, None, 32, outs)  # too wide
+
+
+def test_wide_blocks_fall_back_and_bad_blocks_are_refused():
+    q, kv, idx, tl = make_case(40, 2, 16, 300, 24, seed=21)  # random slots: unions too wide
+    want = dense_reference(q, kv, idx, 0.5, None, tl)
+    check(sparse_mla_prefill(q, kv, idx, 0.5, None, tl, query_blocks=[0, 7, 40]), want, FP32_TOL)
+    for bad in ([0, 20], [1, 40], [0, 20, 20, 40]):
+        with pytest.raises(ValueError, match="query_blocks"):
+            sparse_mla_prefill(q, kv, idx, 0.5, None, tl, query_blocks=bad)
