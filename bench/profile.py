@@ -12,6 +12,8 @@ interleaved, best of `--repeats`; reuses `bench.forward`'s pair and timing helpe
 `--scaling 1024,4096,...`: one request per length, microseconds per token (end to end), the
 indexer's share and the peak resident memory of the call (VmHWM after resetting it).
 `--gemm`: this machine's fp32 GEMM rate next to the head's achieved rate (same run, CPU time).
+`--bf16`: the same model cast to bfloat16 (CPU AMX / AVX512-BF16 GEMMs accumulate in fp32) vs
+fp32 on each case: tokens/s of both and the logprobs' absolute difference (max, mean).
 """
 
 from __future__ import annotations
@@ -167,6 +169,22 @@ def compare_case(ours, hf, batch, repeats: int) -> dict:
             "layers_speedup": round(t["hf_layers"] / t["ours_layers"], 2)}
 
 
+def bf16_case(ours, batch, repeats: int) -> dict:
+    """fp32 engine vs a bfloat16 copy of its model on one batch: tok/s and logprob error."""
+    import copy
+
+    from dsv4batch.model import Engine
+
+    low = Engine(copy.deepcopy(ours.model).to(torch.bfloat16), ours.config)
+    ref, got = (np.concatenate(e.score(batch)[0]) for e in (ours, low))
+    tokens = sum(len(ids) - 1 for ids in batch)
+    t32, t16 = (best_of(lambda e=e: e.score(batch), repeats) for e in (ours, low))
+    diff = np.abs(ref.astype(np.float64) - got)
+    return {"tokens": tokens, "fp32_tok_s": round(tokens / t32, 1), "bf16_tok_s": round(tokens / t16, 1),
+            "bf16_speedup": round(t32 / t16, 2), "max_abs_diff": round(float(diff.max()), 4),
+            "mean_abs_diff": round(float(diff.mean()), 5)}
+
+
 def rss_mib(field: str) -> float:
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -178,15 +196,18 @@ def rss_mib(field: str) -> float:
 def scaling(engine, lengths, repeats: int) -> dict:
     """Per-token cost and peak memory of one request per length (end to end, head included).
 
+    peak_rss_mib: the process's peak resident memory over the warm-up and timed calls (VmHWM
+    reset before them; the engine keeps freed heap memory, so with ascending lengths this is
+    the peak of the longest request so far; the weights are in it).
+
     Best of `repeats` by process CPU time (on a shared machine the least disturbed run; the wall
     time of that run is reported next to it). Shares are of that run's wall time."""
     rows = {}
     for n in lengths:
         batch = random_prompts([n], engine.model.config.vocab_size, seed=n)
-        engine.score(batch)
-        before = rss_mib("VmRSS")
         with open("/proc/self/clear_refs", "w") as fh:  # resets VmHWM (peak RSS) to the current RSS
             fh.write("5")
+        engine.score(batch)
         best = None
         for _ in range(repeats):
             with annotated(engine) as regions:
@@ -201,7 +222,7 @@ def scaling(engine, lengths, repeats: int) -> dict:
                         "indexer_share": round(sum(v for k, v in secs.items() if ".indexer." in k) / wall, 4),
                         "kernel_share": round(secs.get("kernel", 0.0) / wall, 4),
                         "head_share": round(secs.get("head", 0.0) / wall, 4),
-                        "steps": stats.num_steps, "peak_rss_growth_mib": round(rss_mib("VmHWM") - before, 1),
+                        "steps": stats.num_steps, "peak_rss_mib": round(rss_mib("VmHWM"), 1),
                         "peak_workspace_mib": round(stats.peak_workspace_bytes / 2**20, 2)}
     first = rows[str(lengths[0])]["us_per_token"]
     for row in rows.values():
@@ -251,6 +272,7 @@ def main(argv):
     parser.add_argument("--compare", action="store_true", help="engine vs transformers instead of profiles")
     parser.add_argument("--scaling", default="", help="lengths for the per-token table, e.g. 1024,4096")
     parser.add_argument("--gemm", action="store_true", help="measure GEMM rates and the head's fraction")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 vs fp32 speed and logprob error")
     args = parser.parse_args(argv)
     from dsv4batch.model import EngineConfig
 
@@ -267,8 +289,11 @@ def main(argv):
             ours, hf = build_engine(model_name, config), None
         for case in args.cases.split(",") if args.cases else []:
             batch = random_prompts(case_lengths(case), ours.model.config.vocab_size, seed=len(case))
-            out[case] = compare_case(ours, hf, batch, args.repeats) if args.compare \
-                else profile_case(ours, batch, args.rows, args.repeats)
+            if args.bf16:
+                out[case] = bf16_case(ours, batch, args.repeats)
+            else:
+                out[case] = compare_case(ours, hf, batch, args.repeats) if args.compare \
+                    else profile_case(ours, batch, args.rows, args.repeats)
         if args.scaling:
             out["scaling"] = scaling(ours, [int(n) for n in args.scaling.split(",")], args.repeats)
         if args.gemm:
