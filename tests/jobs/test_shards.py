@@ -42,7 +42,9 @@ def test_two_tp2_replicas_each_on_one_node(tmp_path, checkpoint, cluster):
     rows, metrics = finished(out, ids)
     assert all(r["error"] is None for r in rows.values())
     actors = metrics["actors"]
-    assert metrics["num_actors"] == 2 and metrics["tp"] == 2 and all(a["rows"] > 0 for a in actors)
+    # both replicas start and report their ranks; which one scores how many of the 6 batches is
+    # Ray Data's dispatch (a replica ready first may take them all), so only the sum is fixed
+    assert metrics["num_actors"] == 2 and metrics["tp"] == 2 and sum(a["rows"] for a in actors) == 24
     nodes = [{r["node_id"] for r in a["ranks"]} for a in actors]
     assert all(len(n) == 1 for n in nodes)  # PACK: a replica's two ranks share a node
     assert set().union(*nodes) == worker_ids  # and the two replicas use both GPU nodes
