@@ -32,6 +32,7 @@ KC_ALIGN = 16  # slots are padded to whole 16-float vectors
 # Dense blocks: the union of a block's slots may cost at most this much more work than the
 # slots themselves (the two GEMMs run several times faster than per-query batched matmuls).
 DENSE_FACTOR = 2
+DENSE_BATCH_SLOTS = 1 << 21  # slots whose dense-block unions are found by one sort (bounds its memory)
 QUERY_BLOCK = 32  # queries per dense block (measured best of 16 / 32 / 64 on dsv4-shape: 128-256 GEMM rows)
 
 
@@ -71,9 +72,11 @@ def sparse_mla_prefill_torch(
     dev = q.device
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     inf = float("inf")
-    out = torch.empty(s_q, h_q, d_v, dtype=q.dtype, device=dev)  # lonely rows zeroed below
-    max_logits = torch.full((s_q, h_q), -inf, dtype=torch.float32, device=dev)
-    lse = torch.full((s_q, h_q), inf, dtype=torch.float32, device=dev)
+    # one spare row past s_q: where dense blocks write their padding queries
+    outs = (torch.empty(s_q + 1, h_q, d_v, dtype=q.dtype, device=dev),  # lonely rows zeroed below
+            torch.full((s_q + 1, h_q), -inf, dtype=torch.float32, device=dev),
+            torch.full((s_q + 1, h_q), inf, dtype=torch.float32, device=dev))
+    out, max_logits, lse = (t[:s_q] for t in outs)
     if s_q == 0 or topk == 0 or s_kv == 0:
         return out.zero_(), max_logits, lse
 
@@ -99,21 +102,22 @@ def sparse_mla_prefill_torch(
     ncols = ((~invalid) * torch.arange(1, topk + 1, device=dev, dtype=torch.int32)).amax(1).cpu()
     kcq = (ncols + KC_ALIGN - 1) // KC_ALIGN * KC_ALIGN
     sink = None if attn_sink is None else attn_sink.to(dev, cdt).reshape(1, h_q)
+    if slice_elems is None:
+        slice_elems = CUDA_SLICE_ELEMS if dev.type == "cuda" else CPU_SLICE_ELEMS
     if query_blocks is not None:
         bounds = [int(b) for b in query_blocks]
         if bounds[0] != 0 or bounds[-1] != s_q or any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"query_blocks must rise strictly from 0 to s_q={s_q}")
-        cost = torch.cat([kcq.new_zeros(1), torch.cumsum(kcq, 0)]).tolist()
-        for a, b in zip(bounds, bounds[1:]):
-            if _dense_block(q, kvz, gidx, invalid, a, b, cost[b] - cost[a], sm_scale, sink, d_v,
-                            (out, max_logits, lse)):
-                kcq[a:b] = -1  # done: left out of the slices below
+        per = max(1, DENSE_BATCH_SLOTS // (QUERY_BLOCK * topk))  # blocks whose unions are sorted at once
+        done = torch.zeros(s_q, dtype=torch.bool)
+        for i in range(0, len(bounds) - 1, per):
+            done |= _dense_blocks(q, kvz, gidx, invalid, kcq, bounds[i:i + per + 1], sm_scale, sink, d_v,
+                                  outs, slice_elems)
+        kcq[done] = -1  # done: left out of the slices below
     order = torch.argsort(kcq, stable=True)
     widths, counts = torch.unique_consecutive(kcq[order], return_counts=True)
     if counts.numel() and int(widths[0]) == -1:  # the dense blocks' queries
         order, widths, counts = order[int(counts[0]):], widths[1:], counts[1:]
-    if slice_elems is None:
-        slice_elems = CUDA_SLICE_ELEMS if dev.type == "cuda" else CPU_SLICE_ELEMS
     pieces, a = [], 0  # (first, end, kc) in sorted order; lonely queries (kc 0) keep 0 / -inf / +inf
     for kc, count in zip(widths.tolist(), counts.tolist()):
         step = max(1, int(slice_elems) // (kc * (d_qk + h_q))) if kc else count
@@ -165,24 +169,78 @@ def _softmax_values(p: torch.Tensor, sink, values):
     return values(p).mul_(torch.exp(m_safe - lse_o).unsqueeze(-1)), m, lse_s
 
 
-def _dense_block(q, kvz, gidx, invalid, a: int, b: int, slots: int, sm_scale: float, sink, d_v: int,
-                 outs) -> bool:
-    """Queries [a, b) over the union of their valid slots, written into `outs` = (out,
-    max_logits, lse); False (nothing written) when the union is empty or too wide for
-    `DENSE_FACTOR` against `slots` (the queries' KC_ALIGN-rounded slot counts summed)."""
-    n, h_q, d_qk = b - a, q.shape[1], q.shape[2]
-    g, valid = gidx[a:b], ~invalid[a:b]
-    union = torch.unique(g[valid])                                             # sorted kv rows
-    u = union.numel()
-    if u == 0 or n * u > DENSE_FACTOR * slots:
-        return False
-    # each valid slot's column in the union; invalid slots land in a dropped extra column
-    col = torch.where(valid, torch.searchsorted(union, g), u)
-    keep = torch.zeros(n, u + 1, dtype=torch.bool, device=q.device).scatter_(1, col, True)[:, :u]
-    k = kvz.index_select(0, union)                                             # [u, d_qk]
-    p = torch.mm(q[a:b].reshape(n * h_q, d_qk).to(k.dtype), k.t()).view(n, h_q, u).mul_(sm_scale)
-    p.masked_fill_(~keep.unsqueeze(1), float("-inf"))
-    o, m, lse_s = _softmax_values(p, sink, lambda w: torch.mm(w.view(n * h_q, u), k[:, :d_v]).view(n, h_q, d_v))
+def _width(u: torch.Tensor) -> torch.Tensor:
+    """Padded union widths [n] for union sizes u [n]: multiples of 16 up to 64, then four steps
+    per octave (at most 25% padding). Fixed, so a block's GEMM shapes depend on itself alone."""
+    grid = torch.tensor(WIDTH_GRID, dtype=u.dtype, device=u.device)
+    at = torch.searchsorted(grid, u).clamp_(max=len(WIDTH_GRID) - 1)
+    return torch.where(u <= grid[-1], grid[at], (u + KC_ALIGN - 1) // KC_ALIGN * KC_ALIGN)
+
+
+WIDTH_GRID = [16, 32, 48, 64] + [2 ** e * k // 4 for e in range(6, 20) for k in (5, 6, 7, 8)]
+
+
+def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v: int, outs,
+                  slice_elems: int) -> torch.Tensor:
+    """Every block [b_i, b_i+1) of `bounds` over the union of its valid slots, batched.
+
+    gidx [s_q, W] kv rows (invalid slots: s_kv, the zero row), kcq [s_q] CPU slot counts
+    (KC_ALIGN-rounded). A block is dense when its union is not empty and n * u <=
+    DENSE_FACTOR * (its queries' kcq summed); dense blocks run in groups of one padded width
+    (`_width`): per group one gather of the unions [G, U, d_qk], one bmm for the logits
+    [G, n * h_q, U], a mask keeping each query to its own slots, one bmm for the output.
+    Results go into `outs` = (out, max_logits, lse), each with one spare row at s_q that the
+    padding queries write; returns done [s_q] bool (CPU): the queries written."""
+    dev, (s_q, h_q, d_qk), s_kv = q.device, q.shape, kvz.shape[0] - 1
+    size = torch.tensor(bounds).diff()
+    nb, n = len(size), int(size.max())
+    # qidx [nb, n]: each block's queries, padded with s_q (a row of zero queries / zero-row slots)
+    qidx = torch.tensor(bounds[:-1])[:, None] + torch.arange(n)
+    qidx = torch.where(torch.arange(n) < size[:, None], qidx, s_q)
+    slots = torch.cat([kcq, kcq.new_zeros(1)]).clamp(min=0)[qidx].sum(1)
+    keys = torch.cat([gidx, gidx.new_full((1, gidx.shape[1]), s_kv)])[qidx.to(dev)].view(nb, -1)
+    ordered, order = keys.sort(1)                                               # zero row (s_kv) last
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    first &= ordered < s_kv
+    rank = first.cumsum(1) - 1                                                  # column in the union
+    u = first.sum(1).cpu()
+    dense = (u > 0) & (size * u <= DENSE_FACTOR * slots)
+    done = torch.zeros(s_q, dtype=torch.bool)
+    if not bool(dense.any()):
+        return done
+    col = torch.empty_like(rank).scatter_(1, order, rank.masked_fill_(ordered == s_kv, -1)).view(nb, n, -1)
+    # the dense blocks ordered by padded width: each width's blocks are one contiguous run
+    width = _width(u)
+    pick = torch.nonzero(dense).flatten()
+    pick = pick[torch.argsort(width[pick], stable=True)]
+    widths, counts = torch.unique_consecutive(width[pick], return_counts=True)
+    m_all, w_max, pd = len(pick), int(widths[-1]), pick.to(dev)
+    hit = first[pd]
+    rows = torch.full((m_all, w_max + 1), s_kv, dtype=torch.long, device=dev)  # each union's kv rows
+    rows[torch.nonzero(hit)[:, 0], rank[pd][hit]] = ordered[pd][hit]
+    c = col[pd]
+    drop = torch.ones(m_all, n, w_max + 1, dtype=torch.bool, device=dev)       # True: not the query's slot
+    drop.scatter_(2, torch.where(c < 0, w_max, c), False)
+    qi = qidx[pick].to(dev)                                                     # [m_all, n]
+    q_rows = qi.clamp(max=s_q - 1)  # padding queries compute on a real row, written to the spare
     out, max_logits, lse = outs
-    out[a:b], max_logits[a:b], lse[a:b] = o.to(out.dtype), m, lse_s
-    return True
+    a = 0
+    for w, count in zip(widths.tolist(), counts.tolist()):
+        step = max(1, slice_elems // (w * (n * h_q + d_qk)))                    # logits + the unions' K rows
+        for g0 in range(a, a + count, step):
+            g1 = min(g0 + step, a + count)
+            m = g1 - g0
+            k = kvz.index_select(0, rows[g0:g1, :w].reshape(-1)).view(m, w, d_qk)
+            qs = q.index_select(0, q_rows[g0:g1].flatten()).view(m, n * h_q, d_qk).to(k.dtype)
+            p = torch.bmm(qs, k.transpose(1, 2)).mul_(sm_scale)
+            p = p.view(m * n, h_q, w).masked_fill_(drop[g0:g1, :, :w].reshape(m * n, 1, w), float("-inf"))
+            o, mx, ls = _softmax_values(
+                p, sink, lambda x: torch.bmm(x.view(m, n * h_q, w), k[..., :d_v]).view(m * n, h_q, d_v))
+            dst = qi[g0:g1].flatten()
+            out.index_copy_(0, dst, o.to(out.dtype))
+            max_logits.index_copy_(0, dst, mx)
+            lse.index_copy_(0, dst, ls)
+        a += count
+    done[qidx[pick][qidx[pick] < s_q]] = True
+    return done

@@ -350,7 +350,7 @@ def window_case(s_q, h_q, d_qk, window, *, seed=0, num_requests=2):
 
 @pytest.mark.parametrize("sink_kind", ["none", "finite", "mixed"])
 def test_dense_blocks_match_dense_reference(sink_kind):
-    from dsv4batch.kernels.reference import _dense_block
+    from dsv4batch.kernels.reference import CPU_SLICE_ELEMS, _dense_blocks
 
     q, kv, idx, tl, bounds = window_case(64, 4, 32, 24, seed=3)
     idx[5, 0, :] = -1  # a lonely query inside a dense block
@@ -364,12 +364,16 @@ def test_dense_blocks_match_dense_reference(sink_kind):
     alone = sparse_mla_prefill(q, kv, idx, 0.3, sink, tl, backend="torch")
     for x, y in zip(got, alone):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
-    outs = tuple(torch.zeros_like(t) for t in got)
+    outs = tuple(torch.zeros(65, *t.shape[1:]) for t in got)  # a spare row for the padding queries
     valid = (torch.arange(idx.shape[-1]) < tl[:, None]) & (idx[:, 0] >= 0)
     gidx = torch.where(valid, idx[:, 0].long(), kv.shape[0])
     kvz = torch.cat([kv[:, 0], torch.zeros(1, 32)])
-    assert _dense_block(q, kvz, gidx, ~valid, 16, 32, 16 * 32, 0.3, None, 32, outs)
-    assert not _dense_block(q, kvz, gidx, ~valid, 16, 32, 16, 0.3, None, 32, outs)  # too wide
+    kcq = torch.full((64,), 32)
+    kcq[40:48] = 1  # block [40, 48) holds too few slots for its union: refused
+    done = _dense_blocks(q, kvz, gidx, ~valid, kcq, [16, 32, 40, 48], 0.3, sink, 32, outs, CPU_SLICE_ELEMS)
+    assert done.tolist() == [False] * 16 + [True] * 24 + [False] * 24  # only the given, narrow blocks
+    for x, y in zip(outs, got):  # what the dense path wrote is what the call returned
+        torch.testing.assert_close(x[16:40], y[16:40], atol=1e-6, rtol=1e-6)
 
 
 def test_wide_blocks_fall_back_and_bad_blocks_are_refused():

@@ -42,3 +42,23 @@ def test_engine_score_details_agree_with_score_and_do_not_depend_on_batch_mates(
     alone, _ = engine.score_details([reqs[2]], top_k=3)
     for a, b in zip(alone[0], details[2]):
         assert (a == b).all()
+
+
+def test_targets_far_below_the_max_are_exact():
+    # the fused head sums exp(logit - target's logit): a logit 100-400 above the target's
+    # overflows that sum, and those rows (only) are redone with a running max
+    gen = torch.Generator().manual_seed(1)
+    n, hidden, vocab = 6, 8, 3000
+    x = torch.randn(n, hidden, generator=gen)
+    weight = torch.randn(vocab, hidden, generator=gen)
+    x[:3] *= 60.0  # logits in the hundreds: rows 0-2 overflow unless the target is near the max
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    full = torch.log_softmax((x.double() @ weight.double().t()), -1)
+    want = full.gather(1, targets[:, None]).squeeze(1)
+    assert (want[:3] < -100).all()  # the case this test is about
+    for tile in (1024, VOCAB_TILE):
+        got = tiled_logprobs(x, weight, targets, tile=tile)
+        assert torch.isfinite(got).all() and (got <= 0).all()
+        torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-5)
+        same, *_ = tiled_details(x, weight, targets, top_k=2, tile=tile)
+        assert torch.equal(same, got)
