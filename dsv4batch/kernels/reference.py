@@ -6,10 +6,13 @@ fp64; no Python loop per query or head):
 
 * **dense blocks** (only with ``query_blocks``): a block of consecutive queries that share most
   of their slots (one request's neighbouring positions: the same window, mostly the same
-  compressed entries) attends over the *union* of its valid slots at once, gathered once: one
-  GEMM ``[n * h_q, d_qk] x [d_qk, u]`` for the logits, one ``[n * h_q, u] x [u, d_v]`` for the
-  output, each query's own slots kept by a mask. Taken when ``n * u <= DENSE_FACTOR * sum of
-  the queries' slot counts`` (little wasted work), else the block falls through to
+  compressed entries) attends over the *union* of its valid slots at once: logits
+  ``[n * h_q, d_qk] x [d_qk, u]``, output ``[n * h_q, u] x [u, d_v]``, each query's own slots
+  kept by a mask. Taken when ``n * u <= DENSE_FACTOR * sum of the queries' slot counts``
+  (little wasted work), else the block falls through to the slices below. All blocks of a call
+  are batched (``_dense_blocks``): one row-wise sort finds every block's union, and the blocks
+  run as bmms grouped by their union's padded width (a fixed grid, ``_width``), so a step of
+  many short requests costs a few dozen ops per call, not per block.
 * **gathered slices**: queries grouped by how many slots they use, each slice one gather of its
   K rows per query and two batched matmuls. Memory per slice is bounded by ``slice_elems``.
 
