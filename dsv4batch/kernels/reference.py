@@ -10,9 +10,10 @@ fp64; no Python loop per query or head):
   ``[n * h_q, d_qk] x [d_qk, u]``, output ``[n * h_q, u] x [u, d_v]``, each query's own slots
   kept by a mask. Taken when ``n * u <= DENSE_FACTOR * sum of the queries' slot counts``
   (little wasted work), else the block falls through to the slices below. All blocks of a call
-  are batched (``_dense_blocks``): one row-wise sort finds every block's union, and the blocks
-  run as bmms grouped by their union's padded width (a fixed grid, ``_width``), so a step of
-  many short requests costs a few dozen ops per call, not per block.
+  are batched (``_dense_blocks``): one presence table with a running count over each block's kv
+  rows finds every block's union (no sort), and the blocks run as bmms grouped by their union's
+  padded width (a fixed grid, ``_width``), so a step of many short requests costs a few dozen
+  ops per call, not per block.
 * **gathered slices**: queries grouped by how many slots they use, each slice one gather of its
   K rows per query and two batched matmuls. Memory per slice is bounded by ``slice_elems``.
 
@@ -35,7 +36,7 @@ KC_ALIGN = 16  # slots are padded to whole 16-float vectors
 # Dense blocks: the union of a block's slots may cost at most this much more work than the
 # slots themselves (the two GEMMs run several times faster than per-query batched matmuls).
 DENSE_FACTOR = 2
-DENSE_BATCH_SLOTS = 1 << 21  # slots whose dense-block unions are found by one sort (bounds its memory)
+DENSE_BATCH_SLOTS = 1 << 21  # slots (and presence entries) per batch of dense-block unions (bounds memory)
 QUERY_BLOCK = 32  # queries per dense block (measured best of 16 / 32 / 64 on dsv4-shape: 128-256 GEMM rows)
 
 
@@ -111,7 +112,8 @@ def sparse_mla_prefill_torch(
         bounds = [int(b) for b in query_blocks]
         if bounds[0] != 0 or bounds[-1] != s_q or any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"query_blocks must rise strictly from 0 to s_q={s_q}")
-        per = max(1, DENSE_BATCH_SLOTS // (QUERY_BLOCK * topk))  # blocks whose unions are sorted at once
+        # blocks whose unions are found at once (bounds the slot and presence tensors)
+        per = max(1, DENSE_BATCH_SLOTS // max(QUERY_BLOCK * topk, s_kv + 1))
         done = torch.zeros(s_q, dtype=torch.bool)
         for i in range(0, len(bounds) - 1, per):
             done |= _dense_blocks(q, kvz, gidx, invalid, kcq, bounds[i:i + per + 1], sm_scale, sink, d_v,
@@ -202,26 +204,32 @@ def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v
     qidx = torch.where(torch.arange(n) < size[:, None], qidx, s_q)
     slots = torch.cat([kcq, kcq.new_zeros(1)]).clamp(min=0)[qidx].sum(1)
     keys = torch.cat([gidx, gidx.new_full((1, gidx.shape[1]), s_kv)])[qidx.to(dev)].view(nb, -1)
-    ordered, order = keys.sort(1)                                               # zero row (s_kv) last
-    first = torch.ones_like(ordered, dtype=torch.bool)
-    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    first &= ordered < s_kv
-    rank = first.cumsum(1) - 1                                                  # column in the union
-    u = first.sum(1).cpu()
+    # Each block's union as a presence row over its span of kv rows (no sort): present[b, r] = 1
+    # when row lo_b + r is one of its keys; a running count gives each row's column in the union
+    # (ascending kv rows); invalid slots (the zero row s_kv) go to a spare last column.
+    is_key = keys < s_kv
+    lo = torch.where(is_key, keys, s_kv).amin(1, keepdim=True)                 # [nb, 1]
+    rel = torch.where(is_key, keys - lo, -1)
+    span = int(rel.amax()) + 1
+    rel = torch.where(is_key, rel, span)
+    present = torch.zeros(nb, span + 1, dtype=torch.int32, device=dev).scatter_(1, rel, 1)
+    present[:, span] = 0
+    rank = present.cumsum(1, dtype=torch.int32)                                 # column + 1
+    u = rank[:, span].contiguous().cpu()
     dense = (u > 0) & (size * u <= DENSE_FACTOR * slots)
     done = torch.zeros(s_q, dtype=torch.bool)
     if not bool(dense.any()):
         return done
-    col = torch.empty_like(rank).scatter_(1, order, rank.masked_fill_(ordered == s_kv, -1)).view(nb, n, -1)
+    col = torch.where(is_key, rank.gather(1, rel).long() - 1, -1).view(nb, n, -1)
     # the dense blocks ordered by padded width: each width's blocks are one contiguous run
     width = _width(u)
     pick = torch.nonzero(dense).flatten()
     pick = pick[torch.argsort(width[pick], stable=True)]
     widths, counts = torch.unique_consecutive(width[pick], return_counts=True)
     m_all, w_max, pd = len(pick), int(widths[-1]), pick.to(dev)
-    hit = first[pd]
     rows = torch.full((m_all, w_max + 1), s_kv, dtype=torch.long, device=dev)  # each union's kv rows
-    rows[torch.nonzero(hit)[:, 0], rank[pd][hit]] = ordered[pd][hit]
+    blk, r = torch.nonzero(present[pd, :span]).unbind(1)
+    rows[blk, rank[pd][blk, r].long() - 1] = r + lo[pd][blk, 0]
     c = col[pd]
     drop = torch.ones(m_all, n, w_max + 1, dtype=torch.bool, device=dev)       # True: not the query's slot
     drop.scatter_(2, torch.where(c < 0, w_max, c), False)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 
 from ..planner import chunk_budget
+from .config import EngineConfig
+from .head import VOCAB_TILE
 from .parallel import split_of, split_problems
 
 TP_CHOICES = (1, 2, 4, 8)
@@ -52,7 +54,7 @@ def workspace(config, ratios, *, max_model_len: int, max_batched_tokens: int, pr
 
 
 def step_activations(config, ratios, *, tp: int, max_model_len: int, max_batched_tokens: int,
-                     dtype_bytes: int, logits_slice: int = 256, query_slice: int = 1024) -> dict:
+                     dtype_bytes: int, logits_slice: int = EngineConfig.logits_slice, query_slice: int = 1024) -> dict:
     """Bytes of one step's largest live tensors on one rank, term by term (fp32 where the engine is):
 
     - residual: the mHC streams `[T, hc, H]` (old, new, and `hc_post`'s product) plus `hc_pre`'s
@@ -61,7 +63,8 @@ def step_activations(config, ratios, *, tp: int, max_model_len: int, max_batched
     - indexer (CSA layers): one query slice's fp32 scores `[min(T, 1024), index_n_heads, ceil(L/4)]`
       (all of a request's entries are scored) plus the fp32 queries `[T, index_n_heads, index_head_dim]`;
     - moe: the routed copies of the tokens and their outputs `[T * top_k, H]` and the combined sum;
-    - head: one fp32 logits slice `[logits_slice, ceil(V / tp)]` and its log-softmax;
+    - head: one fp32 logits tile `[logits_slice, VOCAB_TILE]` (the fused head's only vocabulary-
+      sized buffer) plus the slice's zero-padded input `[logits_slice, H]`;
     - carried: what a request longer than a step keeps between steps in every layer (window,
       compressed entries, indexer keys for `max_model_len` tokens).
 
@@ -74,7 +77,7 @@ def step_activations(config, ratios, *, tp: int, max_model_len: int, max_batched
         "indexer": (min(t, query_slice) * config.index_n_heads * math.ceil(max_model_len / 4)
                     + t * config.index_n_heads * config.index_head_dim) * 4 if 4 in ratios else 0,
         "moe": 3 * t * config.num_experts_per_tok * h * b,
-        "head": 3 * logits_slice * math.ceil(config.vocab_size / tp) * 4,
+        "head": logits_slice * (min(VOCAB_TILE, math.ceil(config.vocab_size / tp)) + h) * 4,
     }
     carried = 0
     for r in config_ratios(config):
@@ -96,7 +99,7 @@ def config_ratios(config) -> list[int]:
 
 def plan_capacity(config, tensor_bytes: dict[str, int], *, gpu_memory_bytes: int, max_model_len: int,
                   max_batched_tokens: int, dtype: str = "bfloat16", tp: int | None = None,
-                  prefill_chunk_size: int = 4, logits_slice: int = 256,
+                  prefill_chunk_size: int = 4, logits_slice: int = EngineConfig.logits_slice,
                   gpu_memory_utilization: float = 0.9) -> dict:
     """The capacity plan of one replica (all sizes in bytes).
 

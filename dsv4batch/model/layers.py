@@ -207,19 +207,52 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
     pre = sigmoid(pre_w * scale[0] + pre_b) + eps
     post = 2 * sigmoid(post_w * scale[1] + post_b)
-    # Tokens last ([i, j, T]): every row/column sum is `sum_of` hc slices of [hc, T], elementwise
-    # ops vectorised along T, the same arithmetic for a token whatever T (see `sum_of`).
-    logits = (comb_w * scale[2] + comb_b).t().reshape(hc, hc, -1)
+    # Tokens last ([i, j, T], contiguous): every row/column sum adds hc slices of [hc, T] one by
+    # one, elementwise along T: the same arithmetic for a token whatever T (see `sinkhorn_`).
+    logits = (comb_w * scale[2] + comb_b).t().contiguous().view(hc, hc, -1)
     peak = logits[:, 0].clone()
     for j in range(1, hc):
         peak = torch.maximum(peak, logits[:, j])
     comb = (logits - peak.unsqueeze(1)).exp_()
-    comb.div_(sum_of(comb.unbind(1)).unsqueeze(1)).add_(eps)  # softmax over j, + eps
-    comb.div_(sum_of(comb.unbind(0)).add_(eps))
-    for _ in range(iters - 1):
-        comb.div_(sum_of(comb.unbind(1)).add_(eps).unsqueeze(1))
-        comb.div_(sum_of(comb.unbind(0)).add_(eps))
+    sinkhorn_(comb, iters, eps)
     return post, comb, hc_collapse(pre, x)
+
+
+def sinkhorn_(comb: torch.Tensor, iters: int, eps: float, is_numpy: bool | None = None) -> torch.Tensor:
+    """In place on comb [hc, hc, T] (contiguous, >= 0): softmax-over-j normalisation (+ eps), then
+    `iters` alternating column (over i) and row (over j) normalisations, as transformers' mHC.
+
+    Only additions and divisions, each correctly rounded, in a fixed order per element: any
+    path gives the same bits. On CPU (is_numpy, the default there) numpy runs them: ~200 ops of
+    [hc, T] whose per-call cost is several times lower than torch's (2.4x faster at T=511)."""
+    if is_numpy is None:
+        is_numpy = comb.device.type == "cpu"
+    c = comb.numpy() if is_numpy else comb
+    hc = c.shape[0]
+
+    def over_j():  # [hc, 1, T]: each row's sum over j
+        r = c[:, 0:1] + c[:, 1:2]
+        for j in range(2, hc):
+            r += c[:, j:j + 1]
+        return r
+
+    def over_i():  # [hc, T]: each column's sum over i
+        r = c[0] + c[1]
+        for i in range(2, hc):
+            r += c[i]
+        return r
+
+    c /= over_j()
+    c += eps
+    for it in range(iters):
+        if it:
+            r = over_j()
+            r += eps
+            c /= r
+        r = over_i()
+        r += eps
+        c /= r
+    return comb
 
 
 def hc_collapse(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

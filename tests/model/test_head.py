@@ -45,8 +45,8 @@ def test_engine_score_details_agree_with_score_and_do_not_depend_on_batch_mates(
 
 
 def test_targets_far_below_the_max_are_exact():
-    # the fused head sums exp(logit - target's logit): a logit 100-400 above the target's
-    # overflows that sum, and those rows (only) are redone with a running max
+    # the fused head sums exp(logit) unshifted: logits in the hundreds overflow that sum, and
+    # those rows (only) are redone with a running max
     gen = torch.Generator().manual_seed(1)
     n, hidden, vocab = 6, 8, 3000
     x = torch.randn(n, hidden, generator=gen)
@@ -60,5 +60,25 @@ def test_targets_far_below_the_max_are_exact():
         got = tiled_logprobs(x, weight, targets, tile=tile)
         assert torch.isfinite(got).all() and (got <= 0).all()
         torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-5)
+        same, *_ = tiled_details(x, weight, targets, top_k=2, tile=tile)
+        assert torch.equal(same, got)
+
+
+def test_rows_whose_logits_are_all_very_negative_are_exact():
+    # every logit near -200: exp underflows to 0 in fp32, the plain sum is 0 (or denormal), and
+    # those rows are redone with a running max; the other rows keep the plain sum
+    gen = torch.Generator().manual_seed(2)
+    n, hidden, vocab = 5, 8, 3000
+    x = torch.randn(n, hidden, generator=gen)
+    weight = torch.randn(vocab, hidden, generator=gen)
+    weight[:, 0] = 1.0
+    x[:2, 0] = -200.0  # rows 0-1: logits in [-215, -185]
+    x[2, 0] = -75.0  # row 2: sum of exp around 1e-30, denormal terms
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    full = torch.log_softmax((x.double() @ weight.double().t()), -1)
+    want = full.gather(1, targets[:, None]).squeeze(1)
+    for tile in (1024, VOCAB_TILE):
+        got = tiled_logprobs(x, weight, targets, tile=tile)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
         same, *_ = tiled_details(x, weight, targets, top_k=2, tile=tile)
         assert torch.equal(same, got)
