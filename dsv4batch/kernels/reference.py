@@ -206,12 +206,13 @@ def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v
     keys = torch.cat([gidx, gidx.new_full((1, gidx.shape[1]), s_kv)])[qidx.to(dev)].view(nb, -1)
     # Each block's union as a presence row over its span of kv rows (no sort): present[b, r] = 1
     # when row lo_b + r is one of its keys; a running count gives each row's column in the union
-    # (ascending kv rows); invalid slots (the zero row s_kv) go to a spare last column.
-    is_key = keys < s_kv
-    lo = torch.where(is_key, keys, s_kv).amin(1, keepdim=True)                 # [nb, 1]
-    rel = torch.where(is_key, keys - lo, -1)
-    span = int(rel.amax()) + 1
-    rel = torch.where(is_key, rel, span)
+    # (ascending kv rows). Invalid slots name the zero row s_kv (above every valid row, so the
+    # row minimum skips them) and go to a spare last column.
+    free = keys == s_kv
+    lo = keys.amin(1, keepdim=True)                                             # [nb, 1]
+    rel = keys - lo
+    span = int(rel.masked_fill(free, -1).amax()) + 1
+    rel.masked_fill_(free, span)
     present = torch.zeros(nb, span + 1, dtype=torch.int32, device=dev).scatter_(1, rel, 1)
     present[:, span] = 0
     rank = present.cumsum(1, dtype=torch.int32)                                 # column + 1
@@ -220,7 +221,7 @@ def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v
     done = torch.zeros(s_q, dtype=torch.bool)
     if not bool(dense.any()):
         return done
-    col = torch.where(is_key, rank.gather(1, rel).long() - 1, -1).view(nb, n, -1)
+    col = (rank.gather(1, rel).long() - 1).masked_fill_(free, -1).view(nb, n, -1)
     # the dense blocks ordered by padded width: each width's blocks are one contiguous run
     width = _width(u)
     pick = torch.nonzero(dense).flatten()
