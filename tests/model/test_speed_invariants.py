@@ -3,6 +3,7 @@
 - the fused head (`tiled_logprobs`) equals a full log-softmax and a row's logprob does not depend
   on its slice-mates or its place in the slice (batch invariance, exactly);
 - the chunk-batched Lightning Indexer picks what scoring each request alone picks;
+- mHC's Sinkhorn gives the same bits on its numpy (CPU) and torch paths and for a token alone;
 - a request scored among 24 short ones equals it scored alone (1e-6) on the tiny model;
 - no op of a step produces a `[T, T]`-sized tensor or one with a vocabulary-sized dimension.
 No timings are asserted here: the speed itself is measured by `python -m dsv4batch.bench profile`.
@@ -18,6 +19,7 @@ from dsv4batch.model import TINY, Engine, EngineConfig
 from dsv4batch.model.compressor import canonical_topk, tie_free_keys
 from dsv4batch.model.layout import RatioLayout
 from dsv4batch.model.head import tiled_logprobs
+from dsv4batch.model.layers import sinkhorn_
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,19 @@ def test_topk_keys_order_like_floats_and_break_ties_by_column():
     assert canonical_topk(rows, 4).tolist() == [[7, 2, 5, 0], [0, 1, 2, 3]]
     zeros = torch.zeros(3, 50)  # all tied: lowest columns, in order, whatever the width
     assert canonical_topk(zeros, 3).tolist() == [[0, 1, 2]] * 3
+
+
+def test_sinkhorn_paths_agree_bitwise_and_ignore_batch_mates():
+    gen = torch.Generator().manual_seed(3)
+    comb = torch.rand(4, 4, 37, generator=gen) * 3  # [i, j, T], an odd T (vector tails)
+    by_numpy = sinkhorn_(comb.clone(), 20, 1e-6, is_numpy=True)
+    by_torch = sinkhorn_(comb.clone(), 20, 1e-6, is_numpy=False)
+    assert torch.equal(by_numpy, by_torch)
+    alone = sinkhorn_(comb[:, :, 29:30].contiguous(), 20, 1e-6)
+    assert torch.equal(alone[:, :, 0], by_numpy[:, :, 29])
+    # doubly stochastic: columns (over i) sum to 1 after the last step, rows nearly so
+    torch.testing.assert_close(by_numpy.sum(0), torch.ones(4, 37), atol=1e-5, rtol=0)
+    torch.testing.assert_close(by_numpy.sum(1), torch.ones(4, 37), atol=1e-3, rtol=0)
 
 
 def test_request_among_short_requests_equals_alone(tiny):
