@@ -37,6 +37,10 @@ KC_ALIGN = 16  # slots are padded to whole 16-float vectors
 # slots themselves (the two GEMMs run several times faster than per-query batched matmuls).
 DENSE_FACTOR = 2
 DENSE_BATCH_SLOTS = 1 << 21  # slots (and presence entries) per batch of dense-block unions (bounds memory)
+# A block that is not dense shares the rows at least this fraction (1/COMMON_SHARE) of its
+# queries use; each query gathers the rest alone (long context: the window is common, most of
+# the compressed top-k is not).
+COMMON_SHARE = 4
 QUERY_BLOCK = 32  # queries per dense block (measured best of 16 / 32 / 64 on dsv4-shape: 128-256 GEMM rows)
 
 
@@ -158,7 +162,7 @@ def sparse_mla_prefill_torch(
 def _softmax_values(p: torch.Tensor, sink, values):
     """p [n, h_q, w] scaled logits, -inf where invalid (overwritten) -> (out [n, h_q, d_v] =
     softmax-with-sink(p) @ V, max_logits [n, h_q], lse [n, h_q]); `values(weights)` does the
-    @ V on the unnormalised weights. Lonely rows: out 0, max -inf, lse +inf."""
+    @ V on the normalised weights (p, overwritten). Lonely rows: out 0, max -inf, lse +inf."""
     inf = float("inf")
     m = p.amax(-1)                                                             # [n, h_q]
     m_safe = torch.where(m == -inf, 0.0, m)                                    # lonely rows: 0
@@ -171,7 +175,8 @@ def _softmax_values(p: torch.Tensor, sink, values):
         # (len % vector width) elements on a scalar path, tying a query's bits to its slice.
         gap = (lse_s - sink).abs().nan_to_num_(nan=inf)                        # inf - inf: 0 weight
         lse_o = torch.where(sink == -inf, lse_s, torch.maximum(lse_s, sink) + torch.log1p(torch.exp(-gap)))
-    return values(p).mul_(torch.exp(m_safe - lse_o).unsqueeze(-1)), m, lse_s
+    # normalise the weights, not the output: [n, h_q, w] is smaller than [n, h_q, d_v] when w < d_v
+    return values(p.mul_(torch.exp(m_safe - lse_o).unsqueeze(-1))), m, lse_s
 
 
 def _width(u: torch.Tensor) -> torch.Tensor:
@@ -187,13 +192,18 @@ WIDTH_GRID = [16, 32, 48, 64] + [2 ** e * k // 4 for e in range(6, 20) for k in 
 
 def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v: int, outs,
                   slice_elems: int) -> torch.Tensor:
-    """Every block [b_i, b_i+1) of `bounds` over the union of its valid slots, batched.
+    """Every block [b_i, b_i+1) of `bounds` over the shared part of its slots, batched.
 
     gidx [s_q, W] kv rows (invalid slots: s_kv, the zero row), kcq [s_q] CPU slot counts
-    (KC_ALIGN-rounded). A block is dense when its union is not empty and n * u <=
-    DENSE_FACTOR * (its queries' kcq summed); dense blocks run in groups of one padded width
-    (`_width`): per group one gather of the unions [G, U, d_qk], one bmm for the logits
-    [G, n * h_q, U], a mask keeping each query to its own slots, one bmm for the output.
+    (KC_ALIGN-rounded). A block's *common* rows: all its valid rows when the block is dense
+    (union not empty and n * u <= DENSE_FACTOR * its queries' kcq summed), else the rows that at
+    least a COMMON_SHARE-th of its queries (and >= 2) use; a query's other slots are *private*.
+    A block is taken when it is dense, or its common rows are not empty and n * u_c <=
+    DENSE_FACTOR * (its slots on common rows). Taken blocks run in groups of one (padded common
+    width `_width`, private width): per group one gather of the common rows [G, U, d_qk] and one
+    of each query's private rows [G * n, P, d_qk], logits [G, n * h_q, U] (one bmm, a mask keeping
+    each query to its own slots) beside [G * n, h_q, P], one softmax over both, the output as
+    one bmm over the common rows plus one over the private ones.
     Results go into `outs` = (out, max_logits, lse), each with one spare row at s_q that the
     padding queries write; returns done [s_q] bool (CPU): the queries written."""
     dev, (s_q, h_q, d_qk), s_kv = q.device, q.shape, kvz.shape[0] - 1
@@ -204,8 +214,8 @@ def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v
     qidx = torch.where(torch.arange(n) < size[:, None], qidx, s_q)
     slots = torch.cat([kcq, kcq.new_zeros(1)]).clamp(min=0)[qidx].sum(1)
     keys = torch.cat([gidx, gidx.new_full((1, gidx.shape[1]), s_kv)])[qidx.to(dev)].view(nb, -1)
-    # Each block's union as a presence row over its span of kv rows (no sort): present[b, r] = 1
-    # when row lo_b + r is one of its keys; a running count gives each row's column in the union
+    # Each block's rows as a count over its span of kv rows (no sort): count[b, r] = how many of
+    # its slots name row lo_b + r; a running sum over the common rows gives each one's column
     # (ascending kv rows). Invalid slots name the zero row s_kv (above every valid row, so the
     # row minimum skips them) and go to a spare last column.
     free = keys == s_kv
@@ -213,46 +223,90 @@ def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v
     rel = keys - lo
     span = int(rel.masked_fill(free, -1).amax()) + 1
     rel.masked_fill_(free, span)
-    present = torch.zeros(nb, span + 1, dtype=torch.int32, device=dev).scatter_(1, rel, 1)
-    present[:, span] = 0
-    rank = present.cumsum(1, dtype=torch.int32)                                 # column + 1
-    u = rank[:, span].contiguous().cpu()
-    dense = (u > 0) & (size * u <= DENSE_FACTOR * slots)
+    count = torch.zeros(nb, span + 1, dtype=torch.int32, device=dev).scatter_add_(
+        1, rel, torch.ones_like(rel, dtype=torch.int32))
+    count[:, span] = 0
+    u = (count > 0).sum(1).cpu()
+    is_dense = (u > 0) & (size * u <= DENSE_FACTOR * slots)
+    least = torch.where(is_dense, 1, (size // COMMON_SHARE).clamp(min=2))       # uses of a common row
+    common = count >= least.to(dev)[:, None]
+    rank = common.to(torch.int32).cumsum(1, dtype=torch.int32)                  # column + 1
+    u_c = rank[:, span].contiguous().cpu()
+    on_common = common.gather(1, rel)                                           # [nb, n * W]
+    take = is_dense | ((u_c > 0) & (size * u_c <= DENSE_FACTOR * on_common.sum(1).cpu()))
     done = torch.zeros(s_q, dtype=torch.bool)
-    if not bool(dense.any()):
+    if not bool(take.any()):
         return done
-    col = (rank.gather(1, rel).long() - 1).masked_fill_(free, -1).view(nb, n, -1)
-    # the dense blocks ordered by padded width: each width's blocks are one contiguous run
-    width = _width(u)
-    pick = torch.nonzero(dense).flatten()
-    pick = pick[torch.argsort(width[pick], stable=True)]
-    widths, counts = torch.unique_consecutive(width[pick], return_counts=True)
-    m_all, w_max, pd = len(pick), int(widths[-1]), pick.to(dev)
-    rows = torch.full((m_all, w_max + 1), s_kv, dtype=torch.long, device=dev)  # each union's kv rows
-    blk, r = torch.nonzero(present[pd, :span]).unbind(1)
+    col = (rank.gather(1, rel).long() - 1).masked_fill_(~on_common, -1).view(nb, n, -1)
+    private = (~on_common & ~free).view(nb, n, -1)                              # [nb, n, W]
+    num_private = private.sum(2)                                                # [nb, n]
+    p_width = ((num_private.amax(1) + KC_ALIGN - 1) // KC_ALIGN * KC_ALIGN).cpu()
+    # the taken blocks ordered by (padded common width, private width): each pair one run
+    width = _width(u_c.long())
+    pick = torch.nonzero(take).flatten()
+    pair = width[pick] * (1 << 24) + p_width[pick]
+    order = torch.argsort(pair, stable=True)
+    pick, (pairs, counts) = pick[order], torch.unique_consecutive(pair[order], return_counts=True)
+    pairs = torch.stack([pairs >> 24, pairs & ((1 << 24) - 1)], 1)
+    m_all, pd = len(pick), pick.to(dev)
+    w_max, pw_max = int(pairs[:, 0].max()), int(pairs[:, 1].max())
+    rows = torch.full((m_all, w_max + 1), s_kv, dtype=torch.long, device=dev)  # each block's common kv rows
+    blk, r = torch.nonzero(common[pd, :span]).unbind(1)
     rows[blk, rank[pd][blk, r].long() - 1] = r + lo[pd][blk, 0]
     c = col[pd]
     drop = torch.ones(m_all, n, w_max + 1, dtype=torch.bool, device=dev)       # True: not the query's slot
     drop.scatter_(2, torch.where(c < 0, w_max, c), False)
+    # each query's private kv rows in slot order, padded with the zero row (masked below)
+    if pw_max:
+        priv = private[pd]
+        at = torch.where(priv, priv.cumsum(2) - 1, pw_max)
+        p_rows = torch.full((m_all, n, pw_max + 1), s_kv, dtype=torch.long, device=dev).scatter_(
+            2, at, keys.view(nb, n, -1)[pd])
+        p_count = num_private[pd]
     qi = qidx[pick].to(dev)                                                     # [m_all, n]
     q_rows = qi.clamp(max=s_q - 1)  # padding queries compute on a real row, written to the spare
     out, max_logits, lse = outs
+    # a run of consecutive full blocks (one long request) reads q and writes out in place
+    first_q, is_full = torch.tensor(bounds[:-1])[pick], size[pick] == n
     a = 0
-    for w, count in zip(widths.tolist(), counts.tolist()):
-        step = max(1, slice_elems // (w * (n * h_q + d_qk)))                    # logits + the unions' K rows
+    for (w, pw), count in zip(pairs.tolist(), counts.tolist()):
+        per_block = w * (n * h_q + d_qk) + n * pw * (h_q + d_qk)                # logits + K rows
+        step = max(1, slice_elems // per_block)
         for g0 in range(a, a + count, step):
             g1 = min(g0 + step, a + count)
             m = g1 - g0
+            q0 = int(first_q[g0])
+            is_run = bool(is_full[g0:g1].all()) and int(first_q[g1 - 1]) - q0 == (m - 1) * n
             k = kvz.index_select(0, rows[g0:g1, :w].reshape(-1)).view(m, w, d_qk)
-            qs = q.index_select(0, q_rows[g0:g1].flatten()).view(m, n * h_q, d_qk).to(k.dtype)
-            p = torch.bmm(qs, k.transpose(1, 2)).mul_(sm_scale)
-            p = p.view(m * n, h_q, w).masked_fill_(drop[g0:g1, :, :w].reshape(m * n, 1, w), float("-inf"))
-            o, mx, ls = _softmax_values(
-                p, sink, lambda x: torch.bmm(x.view(m, n * h_q, w), k[..., :d_v]).view(m * n, h_q, d_v))
-            dst = qi[g0:g1].flatten()
-            out.index_copy_(0, dst, o.to(out.dtype))
-            max_logits.index_copy_(0, dst, mx)
-            lse.index_copy_(0, dst, ls)
+            if is_run:
+                qs = q[q0:q0 + m * n].reshape(m, n * h_q, d_qk).to(k.dtype)
+            else:
+                qs = q.index_select(0, q_rows[g0:g1].flatten()).view(m, n * h_q, d_qk).to(k.dtype)
+            p = torch.bmm(qs, k.transpose(1, 2)).view(m * n, h_q, w)
+            mask = drop[g0:g1, :, :w].reshape(m * n, 1, w)
+            if pw:
+                kp = kvz.index_select(0, p_rows[g0:g1, :, :pw].reshape(-1)).view(m * n, pw, d_qk)
+                pp = torch.bmm(qs.view(m * n, h_q, d_qk), kp.transpose(1, 2))   # [m * n, h_q, pw]
+                pad = torch.arange(pw, device=dev) >= p_count[g0:g1].reshape(m * n, 1, 1)
+                p, mask = torch.cat([p, pp], 2), torch.cat([mask, pad], 2)
+            p = p.mul_(sm_scale).masked_fill_(mask, float("-inf"))
+            o_view = out[q0:q0 + m * n].view(m, n * h_q, d_v) if is_run and out.dtype == k.dtype else None
+
+            def values(x):
+                o = torch.bmm(x[..., :w].reshape(m, n * h_q, w), k[..., :d_v], out=o_view)
+                o = o.view(m * n, h_q, d_v)
+                return o.baddbmm_(x[..., w:], kp[..., :d_v]) if pw else o
+
+            o, mx, ls = _softmax_values(p, sink, values)
+            if is_run:
+                if o_view is None:
+                    out[q0:q0 + m * n] = o.to(out.dtype)
+                max_logits[q0:q0 + m * n], lse[q0:q0 + m * n] = mx, ls
+            else:
+                dst = qi[g0:g1].flatten()
+                out.index_copy_(0, dst, o.to(out.dtype))
+                max_logits.index_copy_(0, dst, mx)
+                lse.index_copy_(0, dst, ls)
         a += count
     done[qidx[pick][qidx[pick] < s_q]] = True
     return done

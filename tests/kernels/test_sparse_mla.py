@@ -369,11 +369,45 @@ def test_dense_blocks_match_dense_reference(sink_kind):
     gidx = torch.where(valid, idx[:, 0].long(), kv.shape[0])
     kvz = torch.cat([kv[:, 0], torch.zeros(1, 32)])
     kcq = torch.full((64,), 32)
-    kcq[40:48] = 1  # block [40, 48) holds too few slots for its union: refused
+    kcq[40:48] = 1  # block [40, 48) holds too few slots for its union: not dense, split instead
     done = _dense_blocks(q, kvz, gidx, ~valid, kcq, [16, 32, 40, 48], 0.3, sink, 32, outs, CPU_SLICE_ELEMS)
-    assert done.tolist() == [False] * 16 + [True] * 24 + [False] * 24  # only the given, narrow blocks
-    for x, y in zip(outs, got):  # what the dense path wrote is what the call returned
-        torch.testing.assert_close(x[16:40], y[16:40], atol=1e-6, rtol=1e-6)
+    assert done.tolist() == [False] * 16 + [True] * 32 + [False] * 16  # only the given blocks
+    for x, y in zip(outs, got):  # what the block path wrote is what the call returned
+        torch.testing.assert_close(x[16:48], y[16:48], atol=1e-6, rtol=1e-6)
+
+
+def csa_case(s_q, h_q, d_qk, window, topk, s_comp, *, seed=0):
+    """Indices like one long CSA chunk: each query's `topk` compressed rows (random, per query,
+    from [0, s_comp)) first, then its window of raw rows (kv rows s_comp + position)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s_q, h_q, d_qk, generator=g)
+    kv = torch.randn(s_comp + s_q, 1, d_qk, generator=g)
+    idx = torch.full((s_q, 1, topk + window), -1, dtype=torch.int32)
+    for i in range(s_q):
+        win = torch.arange(max(0, i - window + 1), i + 1) + s_comp
+        comp = torch.randperm(s_comp, generator=g)[:topk]
+        row = torch.cat([comp, win]).to(torch.int32)
+        idx[i, 0, :len(row)] = row
+    return q, kv, idx, list(range(0, s_q, 32)) + [s_q]
+
+
+@pytest.mark.parametrize("sink_kind", ["none", "finite"])
+def test_split_blocks_share_the_window_and_gather_the_rest(sink_kind, monkeypatch):
+    import dsv4batch.kernels.reference as ref
+
+    q, kv, idx, bounds = csa_case(96, 4, 32, 40, 12, 500, seed=5)
+    sink = None if sink_kind == "none" else torch.randn(4)
+    want = dense_reference(q, kv, idx, 0.25, sink)
+    taken = []
+    real = ref._dense_blocks
+    monkeypatch.setattr(ref, "_dense_blocks", lambda *a: taken.append(real(*a)) or taken[-1])
+    got = sparse_mla_prefill(q, kv, idx, 0.25, sink, backend="torch", query_blocks=bounds)
+    check(got, want, FP32_TOL)
+    assert bool(torch.cat(taken).all())  # every block split: window common, compressed private
+    monkeypatch.setattr(ref, "COMMON_SHARE", 10 ** 6)  # rows two queries share are common: too wide, gathered
+    taken.clear()
+    check(sparse_mla_prefill(q, kv, idx, 0.25, sink, backend="torch", query_blocks=bounds), want, FP32_TOL)
+    assert not bool(torch.cat(taken).any())
 
 
 def test_wide_blocks_fall_back_and_bad_blocks_are_refused():
