@@ -10,10 +10,12 @@ fp64; no Python loop per query or head):
   ``[n * h_q, d_qk] x [d_qk, u]``, output ``[n * h_q, u] x [u, d_v]``, each query's own slots
   kept by a mask. Taken when ``n * u <= DENSE_FACTOR * sum of the queries' slot counts``
   (little wasted work), else the block falls through to the slices below. All blocks of a call
-  are batched (``_dense_blocks``): one presence table with a running count over each block's kv
-  rows finds every block's union (no sort), and the blocks run as bmms grouped by their union's
-  padded width (a fixed grid, ``_width``), so a step of many short requests costs a few dozen
-  ops per call, not per block.
+  are batched (``_dense_blocks``): one table counting each block's uses of its kv rows, with a
+  running sum, finds every block's union (no sort), and the blocks run as bmms grouped by their
+  union's padded width (a fixed grid, ``_width``), so a step of many short requests costs a few
+  dozen ops per call, not per block. A block too spread out for that is *split*: the rows a
+  quarter of its queries use (``COMMON_SHARE``; at long context, the window) go through the
+  GEMMs, each query gathers its other slots alone, one softmax spans both.
 * **gathered slices**: queries grouped by how many slots they use, each slice one gather of its
   K rows per query and two batched matmuls. Memory per slice is bounded by ``slice_elems``.
 
@@ -214,7 +216,7 @@ def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v
     qidx = torch.where(torch.arange(n) < size[:, None], qidx, s_q)
     slots = torch.cat([kcq, kcq.new_zeros(1)]).clamp(min=0)[qidx].sum(1)
     keys = torch.cat([gidx, gidx.new_full((1, gidx.shape[1]), s_kv)])[qidx.to(dev)].view(nb, -1)
-    # Each block's rows as a count over its span of kv rows (no sort): count[b, r] = how many of
+    # Each block's rows as a count over its span of kv rows (no sort): uses[b, r] = how many of
     # its slots name row lo_b + r; a running sum over the common rows gives each one's column
     # (ascending kv rows). Invalid slots name the zero row s_kv (above every valid row, so the
     # row minimum skips them) and go to a spare last column.
@@ -223,13 +225,13 @@ def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v
     rel = keys - lo
     span = int(rel.masked_fill(free, -1).amax()) + 1
     rel.masked_fill_(free, span)
-    count = torch.zeros(nb, span + 1, dtype=torch.int32, device=dev).scatter_add_(
+    uses = torch.zeros(nb, span + 1, dtype=torch.int32, device=dev).scatter_add_(
         1, rel, torch.ones_like(rel, dtype=torch.int32))
-    count[:, span] = 0
-    u = (count > 0).sum(1).cpu()
+    uses[:, span] = 0
+    u = (uses > 0).sum(1).cpu()
     is_dense = (u > 0) & (size * u <= DENSE_FACTOR * slots)
     least = torch.where(is_dense, 1, (size // COMMON_SHARE).clamp(min=2))       # uses of a common row
-    common = count >= least.to(dev)[:, None]
+    common = uses >= least.to(dev)[:, None]
     rank = common.to(torch.int32).cumsum(1, dtype=torch.int32)                  # column + 1
     u_c = rank[:, span].contiguous().cpu()
     on_common = common.gather(1, rel)                                           # [nb, n * W]
