@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 
 import numpy as np
@@ -23,18 +22,6 @@ def best_of(fn, repeats: int, clock=time.perf_counter) -> float:
 def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[0] + rng.integers(3, vocab, size=n - 1).tolist() for n in lengths]
-
-
-def hf_twin(model):
-    """transformers' DeepseekV4ForCausalLM (fp32, eager) on the same weights as our `DSv4Model`."""
-    import torch
-    from transformers import DeepseekV4ForCausalLM
-
-    from dsv4batch.model.loader import save_checkpoint
-
-    path = tempfile.mkdtemp(prefix="dsv4batch-bench-")
-    save_checkpoint(model, path)
-    return DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def emit(result: dict, as_json: bool) -> None:

@@ -4,7 +4,9 @@ Both score every token (full-vocabulary log-softmax). transformers runs each req
 padding waste, its best case); ours packs the batch. Two models: `tiny` (hidden 128: the 129,280
 vocabulary head dominates its cost) and `dsv4-shape` (DSv4's attention shape scaled down: head_dim
 512, 8 heads, index_topk 64, so attention is the cost that grows with length, as in the real model).
-Measured in one run, best of `--repeats`, engines interleaved. `*_layers_*` time the decoder
+Measured in one run, best of `--repeats`, engines interleaved; transformers runs in a process of
+its own (`bench/_transformers.py`: our engine's heap setting is process-wide; `--hf-shared` runs
+it in ours, as before). `*_layers_*` time the decoder
 stack alone (no vocabulary projection), which is where the sparse attention's saving shows: the
 129,280-row head costs both engines the same per token and caps the end-to-end ratio.
 
@@ -21,7 +23,8 @@ import tempfile
 
 import torch
 
-from bench.common import best_of, emit, hf_twin, random_prompts
+from bench._transformers import BaselineProcess
+from bench.common import best_of, emit, random_prompts
 
 
 def dsv4_shape_config():
@@ -41,8 +44,9 @@ def dsv4_shape_config():
     return cfg
 
 
-def build_pair(name: str, config):
-    """(our Engine, transformers' model) on identical seeded weights."""
+def build_pair(name: str, config, is_shared: bool = False):
+    """(our Engine, transformers on identical seeded weights as a `BaselineProcess`: its own
+    process unless is_shared)."""
     from dsv4batch.model import TINY, DSv4Model, Engine
     from dsv4batch.model.loader import save_checkpoint
     from dsv4batch.model.tiny import seed_weights
@@ -55,18 +59,7 @@ def build_pair(name: str, config):
         path = tempfile.mkdtemp(prefix="dsv4batch-bench-")
         save_checkpoint(model, path)
         ours = Engine.from_pretrained(path, config=config)
-    return ours, hf_twin(ours.model)
-
-
-def hf_score(hf, batch, head: bool = True):
-    with torch.no_grad():
-        for ids in batch:
-            x = torch.tensor([ids])
-            if not head:  # the decoder stack only (DeepseekV4Model), no vocabulary projection
-                hf.model(input_ids=x, use_cache=False)
-                continue
-            logits = hf(input_ids=x, use_cache=False).logits[0, :-1].float()
-            logits.log_softmax(-1).gather(1, x[0, 1:, None])
+    return ours, BaselineProcess(ours.model, is_shared)
 
 
 def ours_layers(ours, batch):
@@ -142,6 +135,8 @@ def main(argv):
     parser.add_argument("--models", default="tiny,dsv4-shape")
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--hf-shared", action="store_true", help="run transformers in this process "
+                        "(it then shares our engine's glibc heap settings) instead of its own")
     parser.add_argument("--weights", help="e.g. 'stored,compute': instead of the transformers comparison, "
                         "time these load modes of a native FP8/FP4 checkpoint of each model")
     args = parser.parse_args(argv)
@@ -153,7 +148,7 @@ def main(argv):
         return
     result = {"bench": "forward", "threads": torch.get_num_threads(), "models": {}}
     for model_name in args.models.split(","):
-        ours, hf = build_pair(model_name, config)
+        ours, hf = build_pair(model_name, config, args.hf_shared)
         cases = {f"single_{n}": [int(n)] for n in args.lengths.split(",")}
         cases["mixed_batch"] = [64, 200, 512, 700, 1024, 1500, 2048]
         rows = {}
@@ -164,9 +159,9 @@ def main(argv):
             t = {k: float("inf") for k in ("ours", "hf", "ours_layers", "hf_layers")}
             for _ in range(args.repeats):  # interleaved, so machine noise hits both engines alike
                 t["ours"] = min(t["ours"], best_of(lambda: ours.score(batch), 1))
-                t["hf"] = min(t["hf"], best_of(lambda: hf_score(hf, batch), 1))
+                t["hf"] = min(t["hf"], hf.seconds(batch))
                 t["ours_layers"] = min(t["ours_layers"], best_of(lambda: ours_layers(ours, batch), 1))
-                t["hf_layers"] = min(t["hf_layers"], best_of(lambda: hf_score(hf, batch, head=False), 1))
+                t["hf_layers"] = min(t["hf_layers"], hf.seconds(batch, head=False))
             rows[name] = {"tokens": tokens, "ours_tok_s": round(tokens / t["ours"], 1),
                           "hf_tok_s": round(tokens / t["hf"], 1), "speedup": round(t["hf"] / t["ours"], 2),
                           "ours_layers_tok_s": round(tokens / t["ours_layers"], 1),
@@ -174,5 +169,6 @@ def main(argv):
                           "layers_speedup": round(t["hf_layers"] / t["ours_layers"], 2),
                           "ours_steps": stats.num_steps, "ours_chunks": stats.num_chunks}
         result["models"][model_name] = rows
+        hf.close()
         del ours, hf
     emit(result, args.json)

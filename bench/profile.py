@@ -8,7 +8,8 @@ times are inclusive wall times of the range (nested regions overlap their parent
 
 Cases: `mixedN` = N short requests (16-255 tokens, seeded), `singleN` = one N-token request.
 `--compare`: engine vs transformers on the same cases (end to end and decoder stack only,
-interleaved, best of `--repeats`; reuses `bench.forward`'s pair and timing helpers).
+interleaved, best of `--repeats`; reuses `bench.forward`'s pair and timing helpers; transformers in
+its own process unless `--hf-shared`).
 `--scaling 1024,4096,...`: one request per length, microseconds per token (end to end), the
 indexer's share and the peak resident memory of the call (VmHWM after resetting it).
 `--gemm`: this machine's fp32 GEMM rate next to the head's achieved rate (same run, CPU time).
@@ -152,16 +153,16 @@ def profile_case(engine, batch, rows: int, repeats: int) -> dict:
 
 def compare_case(ours, hf, batch, repeats: int) -> dict:
     """Engine vs transformers on one batch, end to end and decoder stack only (bench.forward's way)."""
-    from bench.forward import hf_score, ours_layers
+    from bench.forward import ours_layers
 
     tokens = sum(len(ids) - 1 for ids in batch)
     ours.score(batch)
     t = {k: float("inf") for k in ("ours", "hf", "ours_layers", "hf_layers")}
     for _ in range(repeats):
         t["ours"] = min(t["ours"], best_of(lambda: ours.score(batch), 1))
-        t["hf"] = min(t["hf"], best_of(lambda: hf_score(hf, batch), 1))
+        t["hf"] = min(t["hf"], hf.seconds(batch))
         t["ours_layers"] = min(t["ours_layers"], best_of(lambda: ours_layers(ours, batch), 1))
-        t["hf_layers"] = min(t["hf_layers"], best_of(lambda: hf_score(hf, batch, head=False), 1))
+        t["hf_layers"] = min(t["hf_layers"], hf.seconds(batch, head=False))
     return {"requests": len(batch), "tokens": tokens, "ours_tok_s": round(tokens / t["ours"], 1),
             "hf_tok_s": round(tokens / t["hf"], 1), "speedup": round(t["hf"] / t["ours"], 2),
             "ours_layers_tok_s": round(tokens / t["ours_layers"], 1),
@@ -270,6 +271,8 @@ def main(argv):
     parser.add_argument("--rows", type=int, default=15, help="top ops listed per case")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--compare", action="store_true", help="engine vs transformers instead of profiles")
+    parser.add_argument("--hf-shared", action="store_true", help="with --compare: transformers in this "
+                        "process (sharing our engine's glibc heap settings), not its own")
     parser.add_argument("--scaling", default="", help="lengths for the per-token table, e.g. 1024,4096")
     parser.add_argument("--gemm", action="store_true", help="measure GEMM rates and the head's fraction")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 vs fp32 speed and logprob error")
@@ -284,7 +287,7 @@ def main(argv):
         if args.compare:
             from bench.forward import build_pair
 
-            ours, hf = build_pair(model_name, config)
+            ours, hf = build_pair(model_name, config, args.hf_shared)
         else:
             ours, hf = build_engine(model_name, config), None
         for case in args.cases.split(",") if args.cases else []:
@@ -298,5 +301,7 @@ def main(argv):
             out["scaling"] = scaling(ours, [int(n) for n in args.scaling.split(",")], args.repeats)
         if args.gemm:
             out["gemm"] = gemm_rates(ours, args.repeats)
+        if hf is not None:
+            hf.close()
         del ours, hf
     emit(result, args.json)
