@@ -76,9 +76,18 @@ EXP_COLS = 32  # torch's CPU loops take 2 x 16-float AVX-512 vectors per iterati
 
 
 def exp_(logits: torch.Tensor) -> torch.Tensor:
-    """exp of a `vocab_tiles` tile [n, width] in place (returned), via exp2 of its padded rows."""
+    """exp of a `vocab_tiles` tile [n, width] in place (returned), via exp2 of its padded rows.
+    Raises ValueError for a tensor whose rows have no such padding (the spare columns would be
+    another row's)."""
     n, width = logits.shape
-    wide = logits.as_strided((n, -(-width // EXP_COLS) * EXP_COLS), logits.stride())
+    if n == 0:
+        return logits
+    cols = -(-width // EXP_COLS) * EXP_COLS
+    end = logits.storage_offset() + (n - 1) * logits.stride(0) + cols
+    if logits.stride(1) != 1 or (n > 1 and logits.stride(0) < cols) or \
+            end > logits.untyped_storage().nbytes() // logits.element_size():
+        raise ValueError(f"exp_ needs rows padded to {cols} columns (a vocab_tiles tile), got strides {logits.stride()}")
+    wide = logits.as_strided((n, cols), logits.stride())
     wide.mul_(LOG2E).exp2_()
     return logits
 

@@ -1,6 +1,7 @@
 """The head's details against a full-vocabulary log-softmax computed independently."""
 
 import numpy as np
+import pytest
 import torch
 
 from dsv4batch.model.head import VOCAB_TILE, exp_, tiled_details, tiled_logprobs, vocab_tiles
@@ -104,3 +105,7 @@ def test_a_rows_logprob_has_the_same_bits_wherever_it_sits():
                 assert torch.equal(exp_(t).roll(-shift, 0), want), (vocab, shift)  # every element's bits
         full = torch.log_softmax(x.double() @ weight.double().t(), 1).gather(1, targets[:, None])[:, 0]
         torch.testing.assert_close(together.double(), full, rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="padded"):  # unpadded rows: the spare columns are the next row's
+        exp_(torch.zeros(3, 1005))
+    with pytest.raises(ValueError, match="padded"):
+        exp_(torch.zeros(1, 1005))
