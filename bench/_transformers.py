@@ -74,8 +74,7 @@ class BaselineProcess:
         if is_shared:
             self.hf = load_twin(path)
             return
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env["PYTHONPATH"] = ROOT
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         self.child = subprocess.Popen([sys.executable, "-m", "bench._transformers", path], cwd=ROOT, env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._ask({"batch": [[0, 1]], "head": True})  # loaded and warm
