@@ -23,7 +23,7 @@ import tempfile
 
 import torch
 
-from bench._transformers import BaselineProcess
+from bench._transformers import BaselineProcess, twin_checkpoint
 from bench.common import best_of, emit, random_prompts
 
 
@@ -46,20 +46,19 @@ def dsv4_shape_config():
 
 def build_pair(name: str, config, is_shared: bool = False):
     """(our Engine, transformers on identical seeded weights as a `BaselineProcess`: its own
-    process unless is_shared)."""
+    process unless is_shared). One checkpoint folder serves both; the baseline's close removes it."""
     from dsv4batch.model import TINY, DSv4Model, Engine
-    from dsv4batch.model.loader import save_checkpoint
     from dsv4batch.model.tiny import seed_weights
 
     if name == TINY:
         ours = Engine.from_pretrained(TINY, config=config)
+        path = twin_checkpoint(ours.model)
     else:
         model = DSv4Model(dsv4_shape_config())
         seed_weights(model)
-        path = tempfile.mkdtemp(prefix="dsv4batch-bench-")
-        save_checkpoint(model, path)
+        path = twin_checkpoint(model)
         ours = Engine.from_pretrained(path, config=config)
-    return ours, BaselineProcess(ours.model, is_shared)
+    return ours, BaselineProcess(path, is_shared)
 
 
 def ours_layers(ours, batch):

@@ -75,6 +75,11 @@ LOG2E = 1.4426950408889634
 EXP_COLS = 32  # torch's CPU loops take 2 x 16-float AVX-512 vectors per iteration
 
 
+def padded_cols(width: int) -> int:
+    """Columns a tile row of `width` logits spans for `exp_`: width rounded up to EXP_COLS."""
+    return -(-width // EXP_COLS) * EXP_COLS
+
+
 def exp_(logits: torch.Tensor) -> torch.Tensor:
     """exp of a `vocab_tiles` tile [n, width] in place (returned), via exp2 of its padded rows.
     Raises ValueError for a tensor whose rows have no such padding (the spare columns would be
@@ -82,7 +87,7 @@ def exp_(logits: torch.Tensor) -> torch.Tensor:
     n, width = logits.shape
     if n == 0:
         return logits
-    cols = -(-width // EXP_COLS) * EXP_COLS
+    cols = padded_cols(width)
     end = logits.storage_offset() + (n - 1) * logits.stride(0) + cols
     if logits.stride(1) != 1 or (n > 1 and logits.stride(0) < cols) or \
             end > logits.untyped_storage().nbytes() // logits.element_size():
@@ -99,7 +104,7 @@ def vocab_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = VOCAB_TILE):
     columns for `exp_`): valid until the next tile is produced."""
     n, vocab = x.shape[0], weight.shape[0]
     cols = min(tile, vocab)
-    buf = torch.zeros(n, -(-cols // EXP_COLS) * EXP_COLS, dtype=torch.float32, device=x.device)[:, :cols]
+    buf = torch.zeros(n, padded_cols(cols), dtype=torch.float32, device=x.device)[:, :cols]
     for i, v0 in enumerate(range(0, vocab, tile)):
         width = min(tile, vocab - v0)
         logits = buf[:, :width]
