@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..kernels import dense_linear
 from .parallel import SINGLE
 
 
@@ -100,18 +101,20 @@ def exp_(logits: torch.Tensor) -> torch.Tensor:
 def vocab_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = VOCAB_TILE):
     """Yield (tile index i, first id v0, logits [n, width] fp32) over the vocabulary in order.
 
-    The logits live in one reused [n, tile] buffer (its rows padded to a multiple of EXP_COLS
-    columns for `exp_`): valid until the next tile is produced."""
+    Each tile is one `dense_linear` GEMM [n, hidden] x [hidden, width]; its rows span a multiple
+    of EXP_COLS columns for `exp_` (a tile whose width is not one is copied into a padded
+    buffer). Valid until the next tile is produced."""
     n, vocab = x.shape[0], weight.shape[0]
     cols = min(tile, vocab)
-    buf = torch.zeros(n, padded_cols(cols), dtype=torch.float32, device=x.device)[:, :cols]
+    buf = None
     for i, v0 in enumerate(range(0, vocab, tile)):
         width = min(tile, vocab - v0)
-        logits = buf[:, :width]
-        if x.dtype == torch.float32:
-            torch.mm(x, weight[v0:v0 + width].t(), out=logits)
-        else:  # bf16/fp16 model: the GEMM accumulates in fp32 inside, the reduction runs in fp32
-            logits.copy_(torch.mm(x, weight[v0:v0 + width].t()))
+        logits = dense_linear(x, weight[v0:v0 + width])
+        # bf16/fp16 model: the GEMM accumulates in fp32 inside, the reduction runs in fp32
+        if width % EXP_COLS or logits.dtype != torch.float32:
+            if buf is None:
+                buf = torch.zeros(n, padded_cols(cols), dtype=torch.float32, device=x.device)
+            logits = buf[:, :width].copy_(logits)
         yield i, v0, logits
 
 

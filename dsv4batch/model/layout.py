@@ -125,7 +125,8 @@ class ChunkLayout:
         self.comp_len = (p + 1) // lay.r if lay.r > 1 else np.zeros(len(p), np.int64)
         key_end = np.cumsum(comp)
         self.key_lo = (key_end - comp)[per_query]
-        self.key_bounds = (self.key_lo, key_end[per_query])  # numpy copies for `query_slices`
+        # numpy copies for `query_slices`: the keys a query sees, [key_lo, key_lo + comp_len)
+        self.key_bounds = (self.key_lo, self.key_lo + self.comp_len)
         first = np.zeros(len(p), bool)
         first[(lay.cu[s:e] - lay.cu[s])[q_len > 0]] = True  # each request's first query
         self.query_blocks = np.append(np.flatnonzero(first | (p % QUERY_BLOCK == 0)), len(p)).tolist()
@@ -137,7 +138,9 @@ class ChunkLayout:
 
         Blocks are contiguous queries of `rows` each, rows chosen so that rows * (the chunk's
         largest key range) stays near `max_elems` (a cache-sized score block); k_hi is the end of
-        the last query's request, so short requests share one block and one GEMM.
+        the last query's visible keys (queries run in position order, so no query of the block
+        sees past it: a long request's early blocks score only the keys they can see), and short
+        requests share one block and one GEMM.
         """
         if max_elems not in self.slices:
             rows = int(np.clip(max_elems // max(self.N, 1), 16, 512))

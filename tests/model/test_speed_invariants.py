@@ -62,7 +62,11 @@ def test_batched_indexer_matches_per_request_scoring(tiny):
     width = min(indexer.topk, N)
     keys = table[chunk.key_index]
     for block_elems in (1 << 20, 100):  # one block for the chunk / blocks of 16 queries
-        picks = indexer.select(iq, iw, keys, chunk.key_lo, chunk.comp_len, chunk.query_slices(block_elems), width)
+        blocks = chunk.query_slices(block_elems)
+        seen = (chunk.key_lo + chunk.comp_len).numpy()
+        # a block scores up to the last key one of its queries sees, not its requests' ends
+        assert [k_hi for _, _, _, k_hi in blocks] == [int(seen[a:b].max()) for a, b, _, _ in blocks]
+        picks = indexer.select(iq, iw, keys, chunk.key_lo, chunk.comp_len, blocks, width)
         for b in range(4):
             own = table[torch.from_numpy(lay.entry_rows(b))]
             for t in range(int(cu[b]), int(cu[b + 1])):

@@ -1,0 +1,83 @@
+"""Dense fp32 projection on the CPU: ``y = x @ weight.T`` through oneDNN where it runs, else BLAS.
+
+========== ============= =====================================================================
+x          [n, in]       any float dtype, any strides (made contiguous for oneDNN)
+weight     [out, in]     x.dtype; rows contiguous (a row slice of a weight is fine)
+returns    [n, out]      x.dtype, a new tensor; ``F.linear(x, weight)`` up to fp32 rounding
+========== ============= =====================================================================
+
+Why: torch's fp32 CPU GEMM is MKL's sgemm, which on AMD processors runs well below oneDNN (a
+2-core EPYC, Zen 4: [512, 256] x [256, 2048] at 169 GF/s in MKL, 209 in oneDNN; the fused head
+13-17% faster end to end). oneDNN is reached through ``torch.ops.mkldnn._linear_pointwise``, the
+op torch's own CPU compiler emits for a linear layer; it has no autograd, so it serves only
+fp32 CPU calls without grad, checked against BLAS once per process (any error or disagreement:
+BLAS from then on). Both libraries keep a row's bits independent of its place among the rows
+for a fixed shape (`tests/kernels/test_dense.py`); callers keep shapes fixed where a result must
+not depend on its batch-mates (the head's fixed slices).
+
+Its caller is the vocabulary head (`model/head.vocab_tiles`): a few large GEMMs of one shape. The
+decoder's projections stay on ``F.linear``: oneDNN builds a primitive per new row count (15-30 us
+a call) and lost on their many small, varying GEMMs (tiny's stack 0.82-0.91x, shapes of
+[16-2047, 64-1024] x [.., 4-4096] mostly 0.4-1.0x).
+
+``DSV4BATCH_CPU_GEMM`` = ``auto`` (default: oneDNN when it works), ``onednn`` (raise if it
+cannot run) or ``blas`` (always ``F.linear``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+ENV_CPU_GEMM = "DSV4BATCH_CPU_GEMM"
+CHOICES = ("auto", "onednn", "blas")
+_onednn_ok: bool | None = None  # None: not checked yet in this process
+
+
+def cpu_gemm() -> str:
+    """The `DSV4BATCH_CPU_GEMM` choice (auto when unset); ValueError for anything else."""
+    choice = os.environ.get(ENV_CPU_GEMM, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV_CPU_GEMM} must be one of {CHOICES}, got {choice!r}")
+    return choice
+
+
+def onednn_available() -> bool:
+    """Whether oneDNN's linear runs here and agrees with BLAS (checked once per process)."""
+    global _onednn_ok
+    if _onednn_ok is None:
+        _onednn_ok = _check_onednn()
+    return _onednn_ok
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
+
+
+def _check_onednn() -> bool:
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(37, 70, generator=gen), torch.randn(50, 70, generator=gen)
+        with torch.no_grad():
+            return bool(torch.allclose(_onednn(x, w), x @ w.t(), rtol=1e-5, atol=1e-4))
+    except (RuntimeError, AttributeError, NotImplementedError):  # op missing or unsupported CPU
+        return False
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, in] @ weight [out, in].T -> [n, out] (see the module docstring)."""
+    choice = cpu_gemm()
+    usable = (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+              and weight.device.type == "cpu" and weight.stride(-1) == 1 and weight.stride(0) == weight.shape[1]
+              and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+    if choice == "blas" or not usable:
+        return F.linear(x, weight)
+    if onednn_available():
+        return _onednn(x, weight)
+    if choice == "onednn":
+        raise RuntimeError(f"{ENV_CPU_GEMM}=onednn, but oneDNN's linear does not run on this machine")
+    return F.linear(x, weight)

@@ -1,0 +1,68 @@
+"""`kernels.dense_linear`: x @ weight.T through oneDNN or BLAS, the same maths and the same
+batch-invariance either way, and the `DSV4BATCH_CPU_GEMM` switch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4batch.kernels import dense
+from dsv4batch.kernels.dense import ENV_CPU_GEMM, dense_linear, onednn_available
+
+
+@pytest.fixture(params=["auto", "blas"])
+def gemm(request, monkeypatch):
+    monkeypatch.setenv(ENV_CPU_GEMM, request.param)
+    return request.param
+
+
+def test_equals_an_fp64_product_on_odd_shapes_strided_inputs_and_row_slices(gemm):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1357, 70, generator=gen)
+    x = torch.randn(70, 45, generator=gen).t()  # [45, 70], not contiguous
+    for rows in (slice(0, 1357), slice(333, 1005)):  # a weight's row slice is what the head passes
+        got = dense_linear(x, weight[rows])
+        want = x.double() @ weight[rows].double().t()
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_rows_bits_do_not_depend_on_its_place_at_a_fixed_shape(gemm):
+    # the engine's GEMMs keep one shape per call site (MIN_ROWS padding, fixed head slices)
+    gen = torch.Generator().manual_seed(1)
+    for rows, k, n in ((512, 256, 2048), (64, 128, 1005), (16, 2048, 128)):
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+        ref = dense_linear(x, w)
+        for shift in (1, 7, rows // 2, rows - 1):
+            assert torch.equal(dense_linear(x.roll(shift, 0), w).roll(-shift, 0), ref), (rows, k, n, shift)
+
+
+def test_blas_is_f_linear_and_other_dtypes_or_grads_take_it(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(20, 33, generator=gen), torch.randn(40, 33, generator=gen)
+    monkeypatch.setenv(ENV_CPU_GEMM, "blas")
+    assert torch.equal(dense_linear(x, w), F.linear(x, w))
+    monkeypatch.setenv(ENV_CPU_GEMM, "auto")
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(dense_linear(xb, wb), F.linear(xb, wb))
+    wg = w.clone().requires_grad_()
+    y = dense_linear(x, wg)  # grad mode with a trainable weight: autograd needs F.linear
+    y.sum().backward()
+    torch.testing.assert_close(wg.grad, x.sum(0).expand(40, 33))
+
+
+def test_the_switch_rejects_unknown_values_and_a_forced_onednn_that_cannot_run(monkeypatch):
+    x, w = torch.ones(4, 8), torch.ones(3, 8)
+    monkeypatch.setenv(ENV_CPU_GEMM, "cublas")
+    with pytest.raises(ValueError, match=ENV_CPU_GEMM):
+        dense_linear(x, w)
+    monkeypatch.setenv(ENV_CPU_GEMM, "onednn")
+    monkeypatch.setattr(dense, "_onednn_ok", False)
+    with pytest.raises(RuntimeError, match="oneDNN"):
+        dense_linear(x, w)
+    monkeypatch.setenv(ENV_CPU_GEMM, "auto")  # auto falls back to BLAS instead
+    assert torch.equal(dense_linear(x, w), torch.full((4, 3), 8.0))
+
+
+def test_onednn_runs_on_this_build():
+    # torch's CPU wheels ship oneDNN: if this fails the engine silently runs on BLAS
+    assert onednn_available()
