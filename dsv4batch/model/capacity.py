@@ -63,8 +63,9 @@ def step_activations(config, ratios, *, tp: int, max_model_len: int, max_batched
     - indexer (CSA layers): one query slice's fp32 scores `[min(T, 1024), index_n_heads, ceil(L/4)]`
       (all of a request's entries are scored) plus the fp32 queries `[T, index_n_heads, index_head_dim]`;
     - moe: the routed copies of the tokens and their outputs `[T * top_k, H]` and the combined sum;
-    - head: one fp32 logits tile `[logits_slice, VOCAB_TILE]` (the fused head's only vocabulary-
-      sized buffer) plus the slice's zero-padded input `[logits_slice, H]`;
+    - head: two fp32 logits tiles `[logits_slice, VOCAB_TILE]` (the fused head's only vocabulary-
+      sized buffers: the tile being reduced while the next one's GEMM writes) plus the slice's
+      zero-padded input `[logits_slice, H]`;
     - carried: what a request longer than a step keeps between steps in every layer (window,
       compressed entries, indexer keys for `max_model_len` tokens).
 
@@ -77,7 +78,7 @@ def step_activations(config, ratios, *, tp: int, max_model_len: int, max_batched
         "indexer": (min(t, query_slice) * config.index_n_heads * math.ceil(max_model_len / 4)
                     + t * config.index_n_heads * config.index_head_dim) * 4 if 4 in ratios else 0,
         "moe": 3 * t * config.num_experts_per_tok * h * b,
-        "head": logits_slice * (min(VOCAB_TILE, math.ceil(config.vocab_size / tp)) + h) * 4,
+        "head": logits_slice * (2 * min(VOCAB_TILE, math.ceil(config.vocab_size / tp)) + h) * 4,
     }
     carried = 0
     for r in config_ratios(config):

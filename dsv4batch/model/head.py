@@ -3,8 +3,9 @@
 `tiled_logprobs` is the fused head `Engine.score` uses; `tiled_details` walks the vocabulary with
 its own parts (`vocab_tiles`, `OnlineLogSumExp`: its logprobs are bit-identical to `score`'s) and also keeps, per row,
 the running top-K (value, id) pairs; the row max says whether the target is the argmax.
-Nothing larger than one [n, tile] block and [n, 2K] candidates exists at a time, and every step
-is row-wise: a row's result does not depend on its batch-mates.
+Nothing larger than two [n, tile] blocks (one reduced while the next is computed) and [n, 2K]
+candidates exists at a time, and every step is row-wise: a row's result does not depend on its
+batch-mates.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ def tiled_logprobs(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     """Fused head: x [n, hidden], weight [vocab, hidden], targets [n] -> log p(target) [n] fp32.
 
     Per vocabulary tile (`vocab_tiles`): one GEMM [n, tile], then `OnlineLogSumExp.add` (the
-    target's logit from its tile, the sum of exp); logsumexp = log(sum). Only one [n, tile] block
-    exists at a time. Everything after the GEMM is row-wise and the tiles come in a fixed order,
-    so a row's result depends only on its own values (and the fixed shape [n, tile] of every
-    GEMM): batch-invariant.
+    target's logit from its tile, the sum of exp); logsumexp = log(sum). At most two [n, tile]
+    blocks exist at a time. Everything after the GEMM is row-wise and the tiles come in a fixed
+    order, so a row's result depends only on its own values (and the fixed shape [n, tile] of
+    every GEMM): batch-invariant.
     """
     acc = OnlineLogSumExp(targets, tile, is_exact=False)
     for i, _, logits in vocab_tiles(x, weight, tile):
