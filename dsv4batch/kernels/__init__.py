@@ -44,13 +44,13 @@ max_logits -inf and lse **+inf**.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from . import flashmla as _flashmla
 from .dense import dense_linear
+from .env import env_choice
 from .quant_matmul import quant_backends, quant_linear
 from .reference import check_shapes, sparse_mla_prefill_torch
 
@@ -75,10 +75,7 @@ def _resolve(backend: str, q: torch.Tensor, d_v: Optional[int]) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        env = os.environ.get(ENV_BACKEND, "").strip().lower()
-        if env and env not in _BACKENDS:
-            raise ValueError(f"{ENV_BACKEND}={env!r}; expected one of {_BACKENDS}")
-        backend = env or "auto"
+        backend = env_choice(ENV_BACKEND, _BACKENDS) or "auto"
     if backend == "auto":
         return "flashmla" if _flashmla.unsupported_reason(q, d_v) is None else "torch"
     if backend == "flashmla":

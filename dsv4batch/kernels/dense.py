@@ -26,10 +26,10 @@ cannot run) or ``blas`` (always ``F.linear``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from .env import env_choice
 
 ENV_CPU_GEMM = "DSV4BATCH_CPU_GEMM"
 CHOICES = ("auto", "onednn", "blas")
@@ -38,10 +38,7 @@ _onednn_ok: bool | None = None  # None: not checked yet in this process
 
 def cpu_gemm() -> str:
     """The `DSV4BATCH_CPU_GEMM` choice (auto when unset); ValueError for anything else."""
-    choice = os.environ.get(ENV_CPU_GEMM, "auto").strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV_CPU_GEMM} must be one of {CHOICES}, got {choice!r}")
-    return choice
+    return env_choice(ENV_CPU_GEMM, CHOICES) or "auto"
 
 
 def onednn_available() -> bool:

@@ -36,11 +36,10 @@ invariant pad x to at least 16 rows, as ``dsv4batch.model.layers`` does for ever
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import quant_cuda as _cuda
+from .env import env_choice
 from .quant_reference import check_quant_shapes, in_features_of, quant_linear_reference
 
 __all__ = ["quant_linear", "quant_backends", "ENV_QUANT_BACKEND"]
@@ -70,11 +69,9 @@ def _probe(device: torch.device) -> str | None:
 
 def requested_backend(backend: str) -> str:
     """`backend`, where "auto" yields to `DSV4BATCH_QUANT_BACKEND` when that is set."""
-    env = os.environ.get(ENV_QUANT_BACKEND, "").strip().lower() if backend == "auto" else ""
-    for value, what in ((backend, "backend"), (env or backend, ENV_QUANT_BACKEND)):
-        if value not in _BACKENDS:
-            raise ValueError(f"{what} must be one of {_BACKENDS}, got {value!r}")
-    return env or backend
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    return (env_choice(ENV_QUANT_BACKEND, _BACKENDS) if backend == "auto" else "") or backend
 
 
 def _resolve(backend: str, x: torch.Tensor, qweight: torch.Tensor, fmt: str) -> str:

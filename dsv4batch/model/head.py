@@ -111,7 +111,8 @@ def vocab_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = VOCAB_TILE):
     for i, v0 in enumerate(range(0, vocab, tile)):
         width = min(tile, vocab - v0)
         logits = dense_linear(x, weight[v0:v0 + width])
-        # bf16/fp16 model: the GEMM accumulates in fp32 inside, the reduction runs in fp32
+        # into the padded fp32 buffer: rows `exp_` could not pad in place, or a bf16/fp16 model's
+        # tile (its GEMM accumulates in fp32 inside; the reduction runs in fp32)
         if width % EXP_COLS or logits.dtype != torch.float32:
             if buf is None:
                 buf = torch.zeros(n, padded_cols(cols), dtype=torch.float32, device=x.device)

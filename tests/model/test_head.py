@@ -88,8 +88,8 @@ def test_rows_whose_logits_are_all_very_negative_are_exact():
 def test_a_rows_logprob_has_the_same_bits_wherever_it_sits():
     """exp runs as exp2, whose scalar tail rounds apart from its vector body: rows are padded so no
     element lands on the tail. Odd widths (vocab 1005, a last tile of 333) and an odd row count;
-    the GEMM keeps one shape (13 rows: MKL picks its kernel by shape, hence the engine's fixed
-    slices), each row visits every position."""
+    the GEMM keeps one shape (13 rows: BLAS and oneDNN pick their kernel by shape, hence the
+    engine's fixed slices), each row visits every position."""
     gen = torch.Generator().manual_seed(5)
     n, hidden = 13, 16
     x = torch.randn(n, hidden, generator=gen) * 3
