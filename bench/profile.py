@@ -240,9 +240,9 @@ def cpu_best(fn, repeats: int) -> float:
 def gemm_rates(engine, repeats: int) -> dict:
     """fp32 GFLOP/s of a 2048^3 GEMM through BLAS (`torch.mm`) and through `kernels.dense_linear`
     (oneDNN where it runs), of the head's GEMM tiles alone ([rows, hidden] x [hidden, VOCAB_TILE]
-    over the vocabulary, as the head runs them) and of the fused head (`token_logprobs`, 4
-    slices); CPU time, best of `repeats + 2`. Fractions: fused head / the faster 2048^3 rate
-    (this machine's fp32 GEMM rate) and / the tile rate."""
+    over the vocabulary, as the head runs them: on its packed tiles) and of the fused head
+    (`token_logprobs`, 4 slices); CPU time, best of `repeats + 2`. Fractions: fused head / the
+    faster 2048^3 rate (this machine's fp32 GEMM rate) and / the tile rate."""
     from dsv4batch.kernels import dense_linear
     from dsv4batch.model.head import VOCAB_TILE
 
@@ -255,11 +255,13 @@ def gemm_rates(engine, repeats: int) -> dict:
     h, w = torch.randn(rows * 4, hidden), model.head.weight.detach()
     targets = torch.randint(0, vocab, (rows * 4,))
 
-    def tiles():
-        for v0 in range(0, vocab, VOCAB_TILE):
-            dense_linear(h[:rows], w[v0:v0 + VOCAB_TILE])
-
     with torch.inference_mode():
+        packed = model.packed_head.tiles(w, VOCAB_TILE, rows) or [None] * -(-vocab // VOCAB_TILE)
+
+        def tiles():
+            for i, v0 in enumerate(range(0, vocab, VOCAB_TILE)):
+                dense_linear(h[:rows], w[v0:v0 + VOCAB_TILE], packed[i])
+
         tile = 2 * rows * hidden * vocab / cpu_best(tiles, reps)
         head = 2 * h.shape[0] * hidden * vocab / cpu_best(lambda: model.token_logprobs(h, targets, rows), reps)
     return {"gemm_2048_blas_gflops": round(blas / 1e9, 1), "gemm_2048_dense_linear_gflops": round(dense / 1e9, 1),

@@ -17,7 +17,8 @@ where it cannot run raises ``RuntimeError`` with the reason.
 The package's other entry points: :func:`quant_linear` (``quant_matmul.py``) multiplies by a
 weight kept as the checkpoint stores it (FP8 block-scaled or FP4 e2m1; its contract is in
 ``quant_matmul.py``), and :func:`dense_linear` (``dense.py``) is the vocabulary head's dense
-GEMM (fp32 on the CPU through oneDNN where it runs, else BLAS).
+GEMM (fp32 on the CPU through oneDNN where it runs, else BLAS; :func:`pack_weight` keeps a
+weight in oneDNN's layout).
 
 Tensors (no batch dim: concatenate tokens and offset indices into one concatenated kv):
 
@@ -49,12 +50,13 @@ from typing import Optional
 import torch
 
 from . import flashmla as _flashmla
-from .dense import dense_linear
+from .dense import dense_linear, pack_weight
 from .env import env_choice
 from .quant_matmul import quant_backends, quant_linear
 from .reference import check_shapes, sparse_mla_prefill_torch
 
-__all__ = ["sparse_mla_prefill", "available_backends", "ENV_BACKEND", "quant_linear", "quant_backends", "dense_linear"]
+__all__ = ["sparse_mla_prefill", "available_backends", "ENV_BACKEND", "quant_linear", "quant_backends", "dense_linear",
+           "pack_weight"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
 _BACKENDS = ("auto", "torch", "flashmla")

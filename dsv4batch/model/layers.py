@@ -153,6 +153,17 @@ class Rope:
         """x [n, ..., d]; cos/sin [n, rd] broadcast over middle dims. Rotates x[..., -rd:] in place
         and returns x (every caller passes a fresh tensor: no copy of the d - rd untouched dims)."""
         rd = cos.shape[-1]
+        if x.dtype == torch.float32:
+            # in place on the (even, odd) pairs: ~2.5 passes over the rope dims instead of ~8
+            # (q [4096, 8, 512]: 13.4 -> 8.7 ms); other dtypes keep the fp32 copy below
+            shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
+            c, s = cos[:, 0::2].reshape(shape), sin[:, 0::2].reshape(shape)
+            pairs = x[..., -rd:].unflatten(-1, (rd // 2, 2))
+            x0, x1 = pairs[..., 0], pairs[..., 1]
+            even = torch.addcmul(x0 * c, x1, s, value=-1.0)  # x0 c - x1 s
+            x1.mul_(c).addcmul_(x0, s)                        # x1 c + x0 s (x0 still the input)
+            x0.copy_(even)
+            return x
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rd,)
         cos, sin = cos.view(shape), sin.view(shape)
         rope = x[..., -rd:].float()

@@ -11,7 +11,7 @@ from torch import nn
 
 from .attention import Attention
 from .config import layer_ratio
-from .head import sliced_details, tiled_logprobs
+from .head import VOCAB_TILE, PackedHead, sliced_details, tiled_logprobs
 from .layers import Linear, MoE, RMSNorm, Rope, hc_collapse, hc_mixes, hc_post, hc_pre, sigmoid
 from .parallel import SINGLE, check_split
 from .step import StepContext
@@ -74,6 +74,7 @@ class DSv4Model(nn.Module):
         self.layers = nn.ModuleList(Block(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.head = Linear(hidden, vocab_end - self.vocab_start)
+        self.packed_head = PackedHead()  # the head's tiles in oneDNN's layout (CPU fp32), built when first used
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * hidden))
         self.hc_head_base = nn.Parameter(torch.zeros(hc))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
@@ -121,13 +122,16 @@ class DSv4Model(nn.Module):
         padded = hidden.new_zeros(step, hidden.shape[1])
         padded_targets = targets.new_zeros(step)
         weight = self.head.weight
+        packed = self.packed_head.tiles(weight, VOCAB_TILE, step)
         for a in range(0, n, step):
             rows = min(step, n - a)
             padded[:rows], padded_targets[:rows] = hidden[a:a + rows], targets[a:a + rows]
-            out[a:a + rows] = tiled_logprobs(padded, weight, padded_targets)[:rows]
+            out[a:a + rows] = tiled_logprobs(padded, weight, padded_targets, VOCAB_TILE, packed)[:rows]
         return out
 
     def head_details(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int, top_k: int):
         """`head.sliced_details` over this rank's vocabulary slice, combined across ranks:
         (logprob [n] fp32, is_greedy [n] bool, top_ids [n, K] int64, top_logprobs [n, K] fp32)."""
-        return sliced_details(hidden, self.head.weight, targets, slice_rows, top_k, self.tp, self.vocab_start)
+        weight = self.head.weight
+        return sliced_details(hidden, weight, targets, slice_rows, top_k, self.tp, self.vocab_start,
+                              self.packed_head.tiles(weight, VOCAB_TILE, slice_rows))

@@ -66,3 +66,21 @@ def test_the_switch_rejects_unknown_values_and_a_forced_onednn_that_cannot_run(m
 def test_onednn_runs_on_this_build():
     # torch's CPU wheels ship oneDNN: if this fails the engine silently runs on BLAS
     assert onednn_available()
+
+
+def test_a_packed_weight_gives_the_plain_weights_bits_and_is_ignored_off_onednn(monkeypatch):
+    from dsv4batch.kernels import pack_weight
+
+    gen = torch.Generator().manual_seed(3)
+    for rows, k, n in ((512, 128, 2048), (512, 256, 256), (40, 70, 1005)):
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+        packed = pack_weight(w, rows)
+        assert packed is not None and packed.shape == w.shape
+        assert torch.equal(dense_linear(x, w, packed), dense_linear(x, w)), (rows, k, n)
+        assert torch.equal(dense_linear(x[:7], w, packed), dense_linear(x[:7], w))  # another row count
+    monkeypatch.setenv(ENV_CPU_GEMM, "blas")
+    assert pack_weight(w, 40) is None
+    assert torch.equal(dense_linear(x, w, packed), F.linear(x, w))  # BLAS multiplies by the weight itself
+    monkeypatch.setenv(ENV_CPU_GEMM, "auto")
+    assert pack_weight(w.bfloat16(), 40) is None
+    assert pack_weight(w.clone().requires_grad_(), 40) is None  # grad mode: F.linear's autograd

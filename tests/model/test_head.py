@@ -1,10 +1,14 @@
 """The head's details against a full-vocabulary log-softmax computed independently."""
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 import torch
 
-from dsv4batch.model.head import VOCAB_TILE, exp_, tiled_details, tiled_logprobs, vocab_tiles
+from dsv4batch.kernels.dense import ENV_CPU_GEMM
+from dsv4batch.model.head import VOCAB_TILE, PackedHead, exp_, tiled_details, tiled_logprobs, vocab_tiles
 
 
 def test_details_match_a_full_log_softmax_and_the_scoring_head():
@@ -109,3 +113,40 @@ def test_a_rows_logprob_has_the_same_bits_wherever_it_sits():
         exp_(torch.zeros(3, 1005))
     with pytest.raises(ValueError, match="padded"):
         exp_(torch.zeros(1, 1005))
+
+
+def test_packed_tiles_give_the_same_bits_and_follow_the_weight():
+    gen = torch.Generator().manual_seed(6)
+    n, hidden, vocab, tile = 64, 32, 5000, 1024
+    x = torch.randn(n, hidden, generator=gen)
+    weight = torch.randn(vocab, hidden, generator=gen)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    packed = PackedHead()
+    tiles = packed.tiles(weight, tile, n)
+    assert tiles is not None and len(tiles) == 5 and packed.tiles(weight, tile, n) is tiles  # kept
+    plain = tiled_logprobs(x, weight, targets, tile)
+    assert torch.equal(tiled_logprobs(x, weight, targets, tile, tiles), plain)
+    for got, want in zip(tiled_details(x, weight, targets, 3, tile, packed=tiles),
+                         tiled_details(x, weight, targets, 3, tile)):
+        assert torch.equal(got, want)
+    weight.mul_(0.5)  # an in-place write: the packed copy is stale and is rebuilt
+    fresh = packed.tiles(weight, tile, n)
+    assert fresh is not tiles
+    assert torch.equal(tiled_logprobs(x, weight, targets, tile, fresh), tiled_logprobs(x, weight, targets, tile))
+    assert not torch.equal(tiled_logprobs(x, weight, targets, tile, fresh), plain)
+    with pytest.raises(ValueError, match="tiles"):  # 5 tiles of 1024, where VOCAB_TILE makes 3
+        list(vocab_tiles(x, weight, VOCAB_TILE, fresh))
+    assert PackedHead().tiles(weight.bfloat16(), tile, n) is None  # only fp32 runs on oneDNN
+    for clone in (pickle.loads(pickle.dumps(packed)), copy.deepcopy(packed)):  # a copy starts empty
+        assert clone._tiles is None and clone.tiles(weight, tile, n) is not None
+
+
+def test_engine_scores_on_packed_tiles_as_blas_does(engine, monkeypatch):
+    reqs = [[0, 5, 9, 200, 17, 3] * 20, [0, 44, 45]]
+    packed, _ = engine.score(reqs)
+    model = engine.model
+    assert model.packed_head._tiles is not None  # built by the call above (CPU, fp32, oneDNN)
+    monkeypatch.setenv(ENV_CPU_GEMM, "blas")
+    blas, _ = engine.score(reqs)
+    for a, b in zip(packed, blas):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
