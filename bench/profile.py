@@ -171,19 +171,26 @@ def compare_case(ours, hf, batch, repeats: int) -> dict:
 
 
 def bf16_case(ours, batch, repeats: int) -> dict:
-    """fp32 engine vs a bfloat16 copy of its model on one batch: tok/s and logprob error."""
+    """fp32 engine vs a bfloat16 copy of its model, and vs its own model with a bf16 head
+    (`head_precision="bf16"`), on one batch: tok/s and logprob error against fp32."""
     import copy
+    import dataclasses
 
     from dsv4batch.model import Engine
 
     low = Engine(copy.deepcopy(ours.model).to(torch.bfloat16), ours.config)
-    ref, got = (np.concatenate(e.score(batch)[0]) for e in (ours, low))
+    head = Engine(ours.model, dataclasses.replace(ours.config, head_precision="bf16"))
+    engines = {"fp32": ours, "bf16": low, "head_bf16": head}
+    scores = {k: np.concatenate(e.score(batch)[0]).astype(np.float64) for k, e in engines.items()}
+    times = {k: best_of(lambda e=e: e.score(batch), repeats) for k, e in engines.items()}
     tokens = sum(len(ids) - 1 for ids in batch)
-    t32, t16 = (best_of(lambda e=e: e.score(batch), repeats) for e in (ours, low))
-    diff = np.abs(ref.astype(np.float64) - got)
-    return {"tokens": tokens, "fp32_tok_s": round(tokens / t32, 1), "bf16_tok_s": round(tokens / t16, 1),
-            "bf16_speedup": round(t32 / t16, 2), "max_abs_diff": round(float(diff.max()), 4),
-            "mean_abs_diff": round(float(diff.mean()), 5)}
+    out = {"tokens": tokens, "fp32_tok_s": round(tokens / times["fp32"], 1)}
+    for k, prefix in (("bf16", ""), ("head_bf16", "head_bf16_")):
+        diff = np.abs(scores["fp32"] - scores[k])
+        out.update({f"{k}_tok_s": round(tokens / times[k], 1), f"{k}_speedup": round(times["fp32"] / times[k], 2),
+                    f"{prefix}max_abs_diff": round(float(diff.max()), 4),
+                    f"{prefix}mean_abs_diff": round(float(diff.mean()), 5)})
+    return out
 
 
 def rss_mib(field: str) -> float:
@@ -242,8 +249,10 @@ def gemm_rates(engine, repeats: int) -> dict:
     (oneDNN where it runs), of the head's GEMM tiles alone ([rows, hidden] x [hidden, VOCAB_TILE]
     over the vocabulary, as the head runs them: on its packed tiles) and of the fused head
     (`token_logprobs`, 4 slices); CPU time, best of `repeats + 2`. Fractions: fused head / the
-    faster 2048^3 rate (this machine's fp32 GEMM rate) and / the tile rate."""
-    from dsv4batch.kernels import dense_linear
+    faster 2048^3 rate (this machine's fp32 GEMM rate) and / the tile rate. With
+    `--head-precision bf16` the tiles and the head are bf16 GEMMs (`kernels.bf16_linear`), still
+    divided by the fp32 rate."""
+    from dsv4batch.kernels import bf16_linear, dense_linear
     from dsv4batch.model.head import VOCAB_TILE
 
     model, reps = engine.model, repeats + 2
@@ -256,14 +265,18 @@ def gemm_rates(engine, repeats: int) -> dict:
     targets = torch.randint(0, vocab, (rows * 4,))
 
     with torch.inference_mode():
-        packed = model.packed_head.tiles(w, VOCAB_TILE, rows) or [None] * -(-vocab // VOCAB_TILE)
+        packed = model.packed_head.tiles(w, VOCAB_TILE, rows, engine.config.head_precision)
+        weights = [None] * -(-vocab // VOCAB_TILE) if packed is None else packed.weights
+        is_bf16 = packed is not None and packed.is_bf16
 
         def tiles():
+            x = h[:rows].bfloat16() if is_bf16 else h[:rows]
             for i, v0 in enumerate(range(0, vocab, VOCAB_TILE)):
-                dense_linear(h[:rows], w[v0:v0 + VOCAB_TILE], packed[i])
+                bf16_linear(x, weights[i]) if is_bf16 else dense_linear(x, w[v0:v0 + VOCAB_TILE], weights[i])
 
         tile = 2 * rows * hidden * vocab / cpu_best(tiles, reps)
-        head = 2 * h.shape[0] * hidden * vocab / cpu_best(lambda: model.token_logprobs(h, targets, rows), reps)
+        head = 2 * h.shape[0] * hidden * vocab / cpu_best(
+            lambda: model.token_logprobs(h, targets, rows, engine.config.head_precision), reps)
     return {"gemm_2048_blas_gflops": round(blas / 1e9, 1), "gemm_2048_dense_linear_gflops": round(dense / 1e9, 1),
             "head_tile_gemm_gflops": round(tile / 1e9, 1), "head_gflops": round(head / 1e9, 1),
             "head_fraction_of_gemm_2048": round(head / square, 3), "head_fraction_of_tile_gemm": round(head / tile, 3)}
@@ -281,12 +294,14 @@ def main(argv):
                         "process (sharing our engine's glibc heap settings), not its own")
     parser.add_argument("--scaling", default="", help="lengths for the per-token table, e.g. 1024,4096")
     parser.add_argument("--gemm", action="store_true", help="measure GEMM rates and the head's fraction")
-    parser.add_argument("--bf16", action="store_true", help="bfloat16 vs fp32 speed and logprob error")
+    parser.add_argument("--bf16", action="store_true", help="fp32 vs a bfloat16 model and vs a bf16 head: "
+                        "speed and logprob error")
+    parser.add_argument("--head-precision", default="fp32", help="our engine's EngineConfig.head_precision")
     args = parser.parse_args(argv)
     from dsv4batch.model import EngineConfig
 
     max_len = max([16384] + [int(n) for n in args.scaling.split(",") if n])
-    config = EngineConfig(max_num_batched_tokens=4096, max_model_len=max_len)
+    config = EngineConfig(max_num_batched_tokens=4096, max_model_len=max_len, head_precision=args.head_precision)
     result = {"bench": "profile", "threads": torch.get_num_threads(), "models": {}}
     for model_name in args.models.split(","):
         out = result["models"].setdefault(model_name, {})

@@ -17,7 +17,7 @@ or with `replicas` / `ray_address` through the Ray Data scoring stage of `dsv4ba
 Model arguments: `pretrained` (a checkpoint folder or `tiny`), `dtype`, `max_length` (tokens the
 model sees per request, `hf`'s meaning; default `max_model_len - 1`) or `max_model_len`,
 `max_batched_tokens`, `add_bos_token`, `prefix_token_id`, `replicas`, `tp` (ranks per replica, on Ray), `ray_address`,
-`gpus_per_replica`, `cpus_per_replica`, `planner`, `prefill_chunk_size`; lm-eval's
+`gpus_per_replica`, `cpus_per_replica`, `planner`, `prefill_chunk_size`, `head_precision`; lm-eval's
 `batch_size` is the requests per engine call (per actor batch on Ray), `device` picks cpu.
 """
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BATCH = 64
 ENGINE_ARGS = ("dtype", "max_batched_tokens", "replicas", "tp", "ray_address", "gpus_per_replica",
-               "cpus_per_replica", "planner", "prefill_chunk_size", "torch_threads")
+               "cpus_per_replica", "planner", "prefill_chunk_size", "torch_threads", "head_precision")
 GENERATE_REFUSED = ("the dsv4batch backend scores text and does not generate: generate_until "
                     "(generative tasks{}) is not supported; run loglikelihood, multiple_choice "
                     "or loglikelihood_rolling tasks")

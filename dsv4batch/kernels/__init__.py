@@ -18,7 +18,8 @@ The package's other entry points: :func:`quant_linear` (``quant_matmul.py``) mul
 weight kept as the checkpoint stores it (FP8 block-scaled or FP4 e2m1; its contract is in
 ``quant_matmul.py``), and :func:`dense_linear` (``dense.py``) is the vocabulary head's dense
 GEMM (fp32 on the CPU through oneDNN where it runs, else BLAS; :func:`pack_weight` keeps a
-weight in oneDNN's layout).
+weight in oneDNN's layout; :func:`bf16_linear` is its opt-in bf16 GEMM where the CPU has bf16
+units, :func:`bf16_available`).
 
 Tensors (no batch dim: concatenate tokens and offset indices into one concatenated kv):
 
@@ -50,13 +51,13 @@ from typing import Optional
 import torch
 
 from . import flashmla as _flashmla
-from .dense import dense_linear, pack_weight
+from .dense import bf16_available, bf16_linear, dense_linear, pack_weight
 from .env import env_choice
 from .quant_matmul import quant_backends, quant_linear
 from .reference import check_shapes, sparse_mla_prefill_torch
 
 __all__ = ["sparse_mla_prefill", "available_backends", "ENV_BACKEND", "quant_linear", "quant_backends", "dense_linear",
-           "pack_weight"]
+           "pack_weight", "bf16_linear", "bf16_available"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
 _BACKENDS = ("auto", "torch", "flashmla")

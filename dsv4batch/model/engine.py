@@ -100,8 +100,8 @@ class Engine:
 
         Also returns what this call did (`StepStats`, model_calls=1). `ValueError` for a bad request.
         """
-        model, rows = self.model, self.config.logits_slice
-        outs, stats = self._run(batch, lambda h, t: (model.token_logprobs(h, t, rows),))
+        model, rows, precision = self.model, self.config.logits_slice, self.config.head_precision
+        outs, stats = self._run(batch, lambda h, t: (model.token_logprobs(h, t, rows, precision),))
         return [o[0] for o in outs], stats
 
     def score_details(self, batch: Sequence[Sequence[int]], top_k: int = 0
@@ -110,8 +110,8 @@ class Engine:
         (`head.TokenScores`); the logprobs are bit-identical to `score`'s."""
         if not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
-        model, rows = self.model, self.config.logits_slice
-        outs, stats = self._run(batch, lambda h, t: model.head_details(h, t, rows, top_k))
+        model, rows, precision = self.model, self.config.logits_slice, self.config.head_precision
+        outs, stats = self._run(batch, lambda h, t: model.head_details(h, t, rows, top_k, precision))
         return [TokenScores(lp, greedy.astype(bool), ids.astype(np.int32), top)
                 for lp, greedy, ids, top in outs], stats
 

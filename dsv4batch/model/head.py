@@ -21,7 +21,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..kernels import dense_linear, pack_weight
+from ..kernels import bf16_available, bf16_linear, dense_linear, pack_weight
+from .config import HEAD_PRECISIONS
 from .parallel import SINGLE
 
 
@@ -114,21 +115,27 @@ def vocab_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = VOCAB_TILE, p
 
     Each tile is one `dense_linear` GEMM [n, hidden] x [hidden, width] on x * log2(e) (an fp32 x;
     a bf16/fp16 model's tile is scaled after its GEMM, in fp32); `packed`: `PackedHead.tiles`
-    for this weight and tile, or None. Its rows span a multiple of EXP_COLS columns for `exp_`
-    (a tile whose width is not one is copied into a padded buffer). Valid until the next tile
-    is produced."""
+    for this weight and tile, or None. With `packed.is_bf16` each tile is a `bf16_linear` of
+    x * log2(e) rounded to bf16 (a bf16 tile: its z rounded to bf16, the reduction in fp32).
+    Its rows span a multiple of EXP_COLS columns for `exp_` (a tile whose width is not one is
+    copied into a padded buffer). Valid until the next tile is produced."""
     n, vocab = x.shape[0], weight.shape[0]
     cols, num_tiles = min(tile, vocab), -(-vocab // tile)
-    if packed is not None and len(packed) != num_tiles:
-        raise ValueError(f"packed holds {len(packed)} tiles, this weight and tile make {num_tiles}")
+    if packed is not None and len(packed.weights) != num_tiles:
+        raise ValueError(f"packed holds {len(packed.weights)} tiles, this weight and tile make {num_tiles}")
+    is_bf16 = packed is not None and packed.is_bf16
     is_scaled = x.dtype == torch.float32
     xs = x * LOG2E if is_scaled else x
+    xs = xs.bfloat16() if is_bf16 else xs
     buf = None
     for i, v0 in enumerate(range(0, vocab, tile)):
         width = min(tile, vocab - v0)
-        logits = dense_linear(xs, weight[v0:v0 + width], None if packed is None else packed[i])
-        # into the padded fp32 buffer: rows `exp_` could not pad in place, or a bf16/fp16 model's
-        # tile (its GEMM accumulates in fp32 inside; the reduction runs in fp32)
+        if is_bf16:
+            logits = bf16_linear(xs, packed.weights[i])
+        else:
+            logits = dense_linear(xs, weight[v0:v0 + width], None if packed is None else packed.weights[i])
+        # into the padded fp32 buffer: rows `exp_` could not pad in place, or a bf16 tile (a bf16
+        # model's or a bf16 head's: the GEMM sums in fp32 inside; the reduction runs in fp32)
         if width % EXP_COLS or logits.dtype != torch.float32:
             if buf is None:
                 buf = torch.zeros(n, padded_cols(cols), dtype=torch.float32, device=x.device)
@@ -136,28 +143,42 @@ def vocab_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = VOCAB_TILE, p
         yield i, v0, logits if is_scaled else logits.mul_(LOG2E)
 
 
+class PackedTiles(NamedTuple):
+    """`PackedHead.tiles`: what `vocab_tiles` multiplies by on oneDNN."""
+
+    weights: list  # one `kernels.pack_weight` copy per vocabulary tile, in order
+    is_bf16: bool  # bf16 copies for `kernels.bf16_linear` (head_precision "bf16" where it runs)
+
+
 class PackedHead:
     """A head weight's `vocab_tiles` tiles in oneDNN's layout (`kernels.pack_weight`: a second
     copy of the weight, in memory while the model is), built on first use and again when the
-    weight changes (another tensor, an in-place write, another tile or GEMM choice). `tiles` is
+    weight changes (another tensor, an in-place write, another tile, GEMM or precision). `tiles` is
     None where the head's GEMM is not oneDNN's (other dtypes, CUDA, `DSV4BATCH_CPU_GEMM=blas`).
     Never pickled or copied: a copy starts empty."""
 
     def __init__(self):
         self._key, self._tiles = None, None
 
-    def tiles(self, weight: torch.Tensor, tile: int, rows: int):
-        """weight [vocab, hidden] -> one packed tile per `tile` rows (GEMMs of `rows` rows), or None."""
+    def tiles(self, weight: torch.Tensor, tile: int, rows: int, precision: str = "fp32"):
+        """weight [vocab, hidden] -> `PackedTiles`: one packed tile per `tile` rows (GEMMs of
+        `rows` rows), or None. `precision` ("fp32" or "bf16", `EngineConfig.head_precision`):
+        "bf16" packs bf16 copies where `kernels.bf16_available()` (else fp32 ones: the head
+        computes fp32)."""
+        if precision not in HEAD_PRECISIONS:
+            raise ValueError(f"head precision must be one of {HEAD_PRECISIONS}, got {precision!r}")
         from ..kernels.dense import cpu_gemm
 
+        is_bf16 = precision == "bf16" and weight.dtype == torch.float32 and bf16_available()
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device,
-               tile, rows, cpu_gemm())
+               tile, rows, cpu_gemm(), is_bf16)
         if key != self._key:
             self._key, self._tiles = None, None  # the old copy goes before the new one is built
-            tiles = [pack_weight(weight[v0:v0 + tile].detach(), rows) for v0 in range(0, weight.shape[0], tile)]
+            tiles = [pack_weight(weight[v0:v0 + tile].detach(), rows, is_bf16)
+                     for v0 in range(0, weight.shape[0], tile)]
             if all(t is not None for t in tiles):  # None (e.g. grad mode) is not kept: asked again next time
                 self._key, self._tiles = key, tiles
-        return self._tiles
+        return None if self._tiles is None else PackedTiles(self._tiles, is_bf16)
 
     def __getstate__(self):
         return {}

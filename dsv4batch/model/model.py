@@ -107,8 +107,10 @@ class DSv4Model(nn.Module):
         rows = self.embed(local.clamp(0, self.embed.num_embeddings - 1))
         return self.tp.all_reduce(rows * inside.unsqueeze(1).to(rows.dtype))
 
-    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int) -> torch.Tensor:
-        """hidden [n, hidden], targets [n] int64 -> log p(target) [n] fp32, `slice_rows` rows at a time.
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int,
+                       precision: str = "fp32") -> torch.Tensor:
+        """hidden [n, hidden], targets [n] int64 -> log p(target) [n] fp32, `slice_rows` rows at a
+        time (`precision`: `EngineConfig.head_precision`).
 
         Every slice has exactly `slice_rows` rows (the last is zero-padded) and goes through
         `tiled_logprobs`: one fixed shape means one GEMM/reduction strategy, so a row's logprob
@@ -116,22 +118,23 @@ class DSv4Model(nn.Module):
         `head_details`' combination of the ranks' slices.
         """
         if self.tp.size > 1:
-            return self.head_details(hidden, targets, slice_rows, 0)[0]
+            return self.head_details(hidden, targets, slice_rows, 0, precision)[0]
         step, n = slice_rows, hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
         padded = hidden.new_zeros(step, hidden.shape[1])
         padded_targets = targets.new_zeros(step)
         weight = self.head.weight
-        packed = self.packed_head.tiles(weight, VOCAB_TILE, step)
+        packed = self.packed_head.tiles(weight, VOCAB_TILE, step, precision)
         for a in range(0, n, step):
             rows = min(step, n - a)
             padded[:rows], padded_targets[:rows] = hidden[a:a + rows], targets[a:a + rows]
             out[a:a + rows] = tiled_logprobs(padded, weight, padded_targets, VOCAB_TILE, packed)[:rows]
         return out
 
-    def head_details(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int, top_k: int):
+    def head_details(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int, top_k: int,
+                     precision: str = "fp32"):
         """`head.sliced_details` over this rank's vocabulary slice, combined across ranks:
         (logprob [n] fp32, is_greedy [n] bool, top_ids [n, K] int64, top_logprobs [n, K] fp32)."""
         weight = self.head.weight
         return sliced_details(hidden, weight, targets, slice_rows, top_k, self.tp, self.vocab_start,
-                              self.packed_head.tiles(weight, VOCAB_TILE, slice_rows))
+                              self.packed_head.tiles(weight, VOCAB_TILE, slice_rows, precision))

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4batch.kernels import dense
-from dsv4batch.kernels.dense import ENV_CPU_GEMM, dense_linear, onednn_available
+from dsv4batch.kernels.dense import ENV_CPU_GEMM, bf16_linear, dense_linear, onednn_available, pack_weight
 
 
 @pytest.fixture(params=["auto", "blas"])
@@ -84,3 +84,23 @@ def test_a_packed_weight_gives_the_plain_weights_bits_and_is_ignored_off_onednn(
     monkeypatch.setenv(ENV_CPU_GEMM, "auto")
     assert pack_weight(w.bfloat16(), 40) is None
     assert pack_weight(w.clone().requires_grad_(), 40) is None  # grad mode: F.linear's autograd
+
+
+def test_bf16_products_stay_near_fp32_and_keep_a_rows_bits():
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(512, 256, generator=gen), torch.randn(2048, 256, generator=gen) * 0.05
+    if not dense.bf16_available():
+        assert pack_weight(w, 512, is_bf16=True) is None
+        pytest.skip("no bf16 GEMM on this CPU (oneDNN needs AVX512-BF16 or AMX)")
+    packed = pack_weight(w, 512, is_bf16=True)
+    xb = x.bfloat16()
+    got = bf16_linear(xb, packed)
+    assert got.dtype == torch.bfloat16 and got.shape == (512, 2048)
+    # the inputs' own rounding, summed exactly: what fp32 sums of bf16 products approach
+    rounded = xb.double() @ w.bfloat16().double().t()
+    torch.testing.assert_close(got.double(), rounded, rtol=2 ** -8, atol=1e-3)  # one bf16 rounding
+    want = x.double() @ w.double().t()
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=0.05)  # |x| w: sum |x w| ~ 10 here
+    for shift in (1, 255):
+        assert torch.equal(bf16_linear(xb.roll(shift, 0), packed).roll(-shift, 0), got)
+    assert pack_weight(w.clone().requires_grad_(), 512, is_bf16=True) is None

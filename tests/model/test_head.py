@@ -123,7 +123,8 @@ def test_packed_tiles_give_the_same_bits_and_follow_the_weight():
     targets = torch.randint(0, vocab, (n,), generator=gen)
     packed = PackedHead()
     tiles = packed.tiles(weight, tile, n)
-    assert tiles is not None and len(tiles) == 5 and packed.tiles(weight, tile, n) is tiles  # kept
+    assert tiles is not None and len(tiles.weights) == 5 and not tiles.is_bf16
+    assert packed.tiles(weight, tile, n).weights is tiles.weights  # kept
     plain = tiled_logprobs(x, weight, targets, tile)
     assert torch.equal(tiled_logprobs(x, weight, targets, tile, tiles), plain)
     for got, want in zip(tiled_details(x, weight, targets, 3, tile, packed=tiles),
@@ -131,7 +132,7 @@ def test_packed_tiles_give_the_same_bits_and_follow_the_weight():
         assert torch.equal(got, want)
     weight.mul_(0.5)  # an in-place write: the packed copy is stale and is rebuilt
     fresh = packed.tiles(weight, tile, n)
-    assert fresh is not tiles
+    assert fresh.weights is not tiles.weights
     assert torch.equal(tiled_logprobs(x, weight, targets, tile, fresh), tiled_logprobs(x, weight, targets, tile))
     assert not torch.equal(tiled_logprobs(x, weight, targets, tile, fresh), plain)
     with pytest.raises(ValueError, match="tiles"):  # 5 tiles of 1024, where VOCAB_TILE makes 3
@@ -150,3 +151,33 @@ def test_engine_scores_on_packed_tiles_as_blas_does(engine, monkeypatch):
     blas, _ = engine.score(reqs)
     for a, b in zip(packed, blas):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def test_a_bf16_head_stays_near_fp32_keeps_its_invariants_and_is_opt_in(engine):
+    import dataclasses
+
+    import dsv4batch.kernels.dense as dense
+    from dsv4batch.model import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="head_precision"):
+        EngineConfig(head_precision="fp16")
+    with pytest.raises(ValueError, match="precision"):
+        engine.model.packed_head.tiles(engine.model.head.weight, VOCAB_TILE, 512, "int8")
+    low = Engine(engine.model, dataclasses.replace(engine.config, head_precision="bf16"))
+    reqs = [[0, 5, 9, 200, 17, 3] * 20, [0, 44, 45], [0, 7, 7] * 9]
+    exact, _ = engine.score(reqs)
+    got, _ = low.score(reqs)
+    for a, b in zip(got, exact):  # bf16 inputs and logits, fp32 sums: measured max ~0.01 on tiny
+        np.testing.assert_allclose(a, b, rtol=0, atol=0.05)
+    details, _ = low.score_details(reqs, top_k=2)
+    alone, _ = low.score([reqs[2]])
+    for g, d in zip(got, details):
+        assert (d.logprobs == g).all()  # score and score_details: the same bits in bf16 too
+    assert (alone[0] == got[2]).all()  # and a row's logprob does not depend on its batch-mates
+    tiles = engine.model.packed_head.tiles(engine.model.head.weight, VOCAB_TILE, 512, "bf16")
+    assert tiles.is_bf16 == dense.bf16_available()  # bf16 where the CPU has it, else fp32
+    if tiles.is_bf16:
+        assert tiles.weights[0].dtype == torch.bfloat16
+        assert any(not np.array_equal(a, b) for a, b in zip(got, exact))  # it did run in bf16
+    else:
+        assert all(np.array_equal(a, b) for a, b in zip(got, exact))
