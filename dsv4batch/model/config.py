@@ -40,7 +40,7 @@ class EngineConfig:
     attn_backend: "auto", "torch" or "flashmla" (see `dsv4batch.kernels`).
     head_precision: the vocabulary head's CPU GEMM: "fp32" (exact to fp32 rounding) or "bf16"
         (opt-in: a bf16 GEMM with fp32 sums and bf16 logits, the reduction in fp32, where the CPU
-        has bf16 units (AVX512-BF16 or AMX), else fp32: `kernels.dense`; 1.3-1.4x end to end on
+        has bf16 units (AVX512-BF16 or AMX), else fp32: `kernels.dense`; 1.2-1.5x end to end on
         a Zen 4 EPYC, logprobs within ~1e-2 of fp32, mean ~2e-3). CUDA ignores it.
     """
 

@@ -98,7 +98,7 @@ class ScoreConfig:
     head_precision: str = _f("fp32", "The vocabulary head's GEMM on the CPU backend: 'fp32' "
                              "(exact to fp32 rounding) or 'bf16' (opt-in, where the CPU has "
                              "AVX512-BF16 or AMX, else fp32: bf16 products summed in fp32, the "
-                             "softmax in fp32; 1.3-1.4x end to end, logprobs within ~1e-2 of "
+                             "softmax in fp32; 1.2-1.5x end to end, logprobs within ~1e-2 of "
                              "fp32). CUDA ignores it.",
                              choices=HEAD_PRECISIONS, group="engine")
     # -- resources and Ray Data
