@@ -13,8 +13,10 @@ its own process unless `--hf-shared`).
 `--scaling 1024,4096,...`: one request per length, microseconds per token (end to end), the
 indexer's share and the peak resident memory of the call (VmHWM after resetting it).
 `--gemm`: this machine's fp32 GEMM rate next to the head's achieved rate (same run, CPU time).
-`--bf16`: the same model cast to bfloat16 (CPU AMX / AVX512-BF16 GEMMs accumulate in fp32) vs
-fp32 on each case: tokens/s of both and the logprobs' absolute difference (max, mean).
+`--bf16`: fp32 vs the same model cast to bfloat16 (CPU AMX / AVX512-BF16 GEMMs accumulate in
+fp32) and vs the fp32 model with a bf16 head (`head_precision="bf16"`) on each case: tokens/s and
+the logprobs' absolute difference from fp32 (max, mean). `--head-precision bf16`: every other
+measurement with the bf16 head.
 """
 
 from __future__ import annotations
