@@ -180,9 +180,10 @@ def bf16_case(ours, batch, repeats: int) -> dict:
 
     from dsv4batch.model import Engine
 
-    low = Engine(copy.deepcopy(ours.model).to(torch.bfloat16), ours.config)
+    fp32 = Engine(ours.model, dataclasses.replace(ours.config, head_precision="fp32"))
+    low = Engine(copy.deepcopy(ours.model).to(torch.bfloat16), fp32.config)
     head = Engine(ours.model, dataclasses.replace(ours.config, head_precision="bf16"))
-    engines = {"fp32": ours, "bf16": low, "head_bf16": head}
+    engines = {"fp32": fp32, "bf16": low, "head_bf16": head}
     scores = {k: np.concatenate(e.score(batch)[0]).astype(np.float64) for k, e in engines.items()}
     times = {k: best_of(lambda e=e: e.score(batch), repeats) for k, e in engines.items()}
     tokens = sum(len(ids) - 1 for ids in batch)

@@ -66,7 +66,8 @@ def onednn_available() -> bool:
 
 
 def bf16_available() -> bool:
-    """Whether `bf16_linear` runs here: oneDNN runs, the CPU has bf16 GEMM units, and a bf16
+    """Whether `bf16_linear` runs here: oneDNN runs, the CPU has bf16 GEMM units (AVX512-BF16 or
+    AMX), and a bf16
     product agrees with fp32 to bf16 rounding (checked once per process)."""
     global _bf16_ok
     if _bf16_ok is None:
@@ -87,8 +88,10 @@ def _check_onednn() -> bool:
 
 
 def _check_bf16() -> bool:
-    is_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # CPU bf16 units
-    return is_supported is not None and bool(is_supported()) and _probe(torch.bfloat16)
+    # oneDNN's own check (`_is_mkldnn_bf16_supported`) is true on any AVX-512 CPU, where bf16 is
+    # emulated and slower than fp32: ask for the bf16 units themselves
+    units = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(f is not None and bool(f()) for f in units) and _probe(torch.bfloat16)
 
 
 def _probe(dtype: torch.dtype) -> bool:

@@ -40,8 +40,11 @@ class EngineConfig:
     attn_backend: "auto", "torch" or "flashmla" (see `dsv4batch.kernels`).
     head_precision: the vocabulary head's CPU GEMM: "fp32" (exact to fp32 rounding) or "bf16"
         (opt-in: a bf16 GEMM with fp32 sums and bf16 logits, the reduction in fp32, where the CPU
-        has bf16 units (AVX512-BF16 or AMX), else fp32: `kernels.dense`; 1.2-1.5x end to end on
-        a Zen 4 EPYC, logprobs within ~1e-2 of fp32, mean ~2e-3). CUDA ignores it.
+        has bf16 units (AVX512-BF16 or AMX), else fp32 with a warning: `kernels.dense`; 1.2-1.5x
+        end to end on a Zen 4 EPYC; on the seeded models logprobs within ~1e-2 of fp32, mean
+        ~2e-3, and more where logits are larger: each is rounded to bf16, 2^-9 of its size).
+        bf16 logits tie more often, and a tie with the row's largest counts as greedy, so
+        `is_greedy` can read higher than in fp32. CUDA ignores it.
     """
 
     max_num_batched_tokens: int = 2048

@@ -8,11 +8,13 @@ returns its outputs and a `StepStats`; nothing is kept on the side between calls
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from ..kernels import bf16_available
 from .attention import WorkspacePool
 from .config import EngineConfig
 from .head import TokenScores
@@ -54,6 +56,9 @@ class Engine:
         self.pool = WorkspacePool()
         if model is not None and self.device.type == "cpu":  # (the step tests schedule without a model)
             retain_freed_memory()
+            if self.config.head_precision == "bf16" and not bf16_available():
+                warnings.warn("head_precision='bf16': this CPU has no bf16 GEMM units (AVX512-BF16 or AMX) "
+                              "or DSV4BATCH_CPU_GEMM=blas; the head computes in fp32", RuntimeWarning, stacklevel=2)
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device="cpu", dtype=torch.float32,

@@ -97,9 +97,11 @@ class ScoreConfig:
                               group="engine")
     head_precision: str = _f("fp32", "The vocabulary head's GEMM on the CPU backend: 'fp32' "
                              "(exact to fp32 rounding) or 'bf16' (opt-in, where the CPU has "
-                             "AVX512-BF16 or AMX, else fp32: bf16 products summed in fp32, the "
-                             "softmax in fp32; 1.2-1.5x end to end, logprobs within ~1e-2 of "
-                             "fp32). CUDA ignores it.",
+                             "AVX512-BF16 or AMX, else fp32 with a warning: bf16 products summed "
+                             "in fp32, each logit rounded to bf16, the softmax in fp32; 1.2-1.5x "
+                             "end to end, logprobs within ~1e-2 of fp32 on the seeded models, "
+                             "more with larger logits; ties at the max count as greedy, so "
+                             "is_greedy can read higher). CUDA ignores it.",
                              choices=HEAD_PRECISIONS, group="engine")
     # -- resources and Ray Data
     replicas: int = _f(1, "Number of scoring actors (model replicas, data parallel).",

@@ -181,3 +181,17 @@ def test_a_bf16_head_stays_near_fp32_keeps_its_invariants_and_is_opt_in(engine):
         assert any(not np.array_equal(a, b) for a, b in zip(got, exact))  # it did run in bf16
     else:
         assert all(np.array_equal(a, b) for a, b in zip(got, exact))
+
+
+def test_a_bf16_head_without_bf16_units_warns_and_computes_fp32(engine, monkeypatch):
+    import dataclasses
+
+    import dsv4batch.kernels.dense as dense
+    from dsv4batch.model import Engine
+
+    monkeypatch.setattr(dense, "_bf16_ok", False)  # as on a CPU without AVX512-BF16 or AMX
+    with pytest.warns(RuntimeWarning, match="fp32"):
+        low = Engine(engine.model, dataclasses.replace(engine.config, head_precision="bf16"))
+    reqs = [[0, 5, 9, 200, 17, 3] * 4, [0, 44, 45]]
+    for a, b in zip(low.score(reqs)[0], engine.score(reqs)[0]):
+        assert np.array_equal(a, b)

@@ -57,6 +57,9 @@ def test_engine_kwargs_build_the_model_engine_config():
     eng = EngineConfig(**ScoreConfig(max_batched_tokens=512, prefill_chunk_size=2).engine_kwargs())
     assert eng.max_num_batched_tokens == 512 and eng.prefill_chunk_size == 2
     EngineConfig(**ScoreConfig().engine_kwargs())
+    cfg = ScoreConfig(head_precision="bf16")
+    assert EngineConfig(**cfg.engine_kwargs()).head_precision == "bf16"
+    assert cfg.result_fields()["head_precision"] == "bf16"  # resume refuses a run in the other precision
 
 
 def test_cli_has_an_option_per_field_and_parses_them():
