@@ -66,10 +66,12 @@ def onednn_available() -> bool:
 
 
 def bf16_available() -> bool:
-    """Whether `bf16_linear` runs here: oneDNN runs, the CPU has bf16 GEMM units (AVX512-BF16 or
-    AMX), and a bf16
-    product agrees with fp32 to bf16 rounding (checked once per process)."""
+    """Whether `bf16_linear` runs here: `DSV4BATCH_CPU_GEMM` is not blas, oneDNN runs, the CPU
+    has bf16 GEMM units (AVX512-BF16 or AMX), and a bf16 product agrees with fp32 to bf16
+    rounding (checked once per process)."""
     global _bf16_ok
+    if cpu_gemm() == "blas":
+        return False
     if _bf16_ok is None:
         _bf16_ok = onednn_available() and _check_bf16()
     return _bf16_ok

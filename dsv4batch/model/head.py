@@ -169,7 +169,7 @@ class PackedHead:
             raise ValueError(f"head precision must be one of {HEAD_PRECISIONS}, got {precision!r}")
         from ..kernels.dense import cpu_gemm
 
-        is_bf16 = precision == "bf16" and weight.dtype == torch.float32 and bf16_available()
+        is_bf16 = precision == "bf16" and bf16_available()  # (a bf16 weight packs nothing: None)
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device,
                tile, rows, cpu_gemm(), is_bf16)
         if key != self._key:

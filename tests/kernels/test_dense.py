@@ -86,7 +86,7 @@ def test_a_packed_weight_gives_the_plain_weights_bits_and_is_ignored_off_onednn(
     assert pack_weight(w.clone().requires_grad_(), 40) is None  # grad mode: F.linear's autograd
 
 
-def test_bf16_products_stay_near_fp32_and_keep_a_rows_bits():
+def test_bf16_products_stay_near_fp32_and_keep_a_rows_bits(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     x, w = torch.randn(512, 256, generator=gen), torch.randn(2048, 256, generator=gen) * 0.05
     if not dense.bf16_available():
@@ -104,3 +104,5 @@ def test_bf16_products_stay_near_fp32_and_keep_a_rows_bits():
     for shift in (1, 255):
         assert torch.equal(bf16_linear(xb.roll(shift, 0), packed).roll(-shift, 0), got)
     assert pack_weight(w.clone().requires_grad_(), 512, is_bf16=True) is None
+    monkeypatch.setenv(ENV_CPU_GEMM, "blas")  # a forced BLAS is fp32 only
+    assert not dense.bf16_available() and pack_weight(w, 512, is_bf16=True) is None
