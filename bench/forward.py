@@ -138,14 +138,17 @@ def main(argv):
                         "(it then shares our engine's glibc heap settings) instead of its own")
     parser.add_argument("--weights", help="e.g. 'stored,compute': instead of the transformers comparison, "
                         "time these load modes of a native FP8/FP4 checkpoint of each model")
+    parser.add_argument("--head-precision", default="fp32", help="our engine's EngineConfig.head_precision "
+                        "(bf16: the opt-in bf16 head where the CPU has bf16 units)")
     args = parser.parse_args(argv)
     from dsv4batch.model import EngineConfig
 
-    config = EngineConfig(max_num_batched_tokens=4096, max_model_len=16384)
+    config = EngineConfig(max_num_batched_tokens=4096, max_model_len=16384, head_precision=args.head_precision)
     if args.weights:
         emit(weights_bench(args, config), args.json)
         return
-    result = {"bench": "forward", "threads": torch.get_num_threads(), "models": {}}
+    result = {"bench": "forward", "threads": torch.get_num_threads(), "head_precision": args.head_precision,
+              "models": {}}
     for model_name in args.models.split(","):
         ours, hf = build_pair(model_name, config, args.hf_shared)
         cases = {f"single_{n}": [int(n)] for n in args.lengths.split(",")}

@@ -12,7 +12,9 @@ interleaved, best of `--repeats`; reuses `bench.forward`'s pair and timing helpe
 its own process unless `--hf-shared`).
 `--scaling 1024,4096,...`: one request per length, microseconds per token (end to end), the
 indexer's share and the peak resident memory of the call (VmHWM after resetting it).
-`--gemm`: this machine's fp32 GEMM rate next to the head's achieved rate (same run, CPU time).
+`--gemm`: this machine's fp32 GEMM rate next to the head's achieved rate (same run, CPU time);
+with `--compare` also each case's `ceiling_speedup`: the end-to-end ratio our decoder stack
+would reach with the head's GEMM at that rate (`add_ceilings`).
 `--bf16`: fp32 vs the same model cast to bfloat16 (CPU AMX / AVX512-BF16 GEMMs accumulate in
 fp32) and vs the fp32 model with a bf16 head (`head_precision="bf16"`) on each case: tokens/s and
 the logprobs' absolute difference from fp32 (max, mean). `--head-precision bf16`: every other
@@ -285,6 +287,22 @@ def gemm_rates(engine, repeats: int) -> dict:
             "head_fraction_of_gemm_2048": round(head / square, 3), "head_fraction_of_tile_gemm": round(head / tile, 3)}
 
 
+def add_ceilings(out: dict, config) -> None:
+    """Per compared case, what the fp32 head allows: `head_floor_s` = the head's GEMM FLOPs
+    (2 * tokens * hidden * vocab) at this run's fp32 2048^3 rate on every thread, and
+    `ceiling_speedup` = transformers' time / (our decoder stack's time + head_floor_s): the
+    end-to-end ratio if our head ran at the machine's GEMM rate with nothing else around it."""
+    gemm = out["gemm"]
+    rate = max(gemm["gemm_2048_blas_gflops"], gemm["gemm_2048_dense_linear_gflops"]) * 1e9 * torch.get_num_threads()
+    for row in out.values():
+        if "speedup" not in row:
+            continue
+        tokens = row["tokens"]
+        floor = 2 * tokens * config.hidden_size * config.vocab_size / rate
+        row["head_floor_s"] = round(floor, 4)
+        row["ceiling_speedup"] = round((tokens / row["hf_tok_s"]) / (tokens / row["ours_layers_tok_s"] + floor), 2)
+
+
 def main(argv):
     parser = argparse.ArgumentParser(prog="python -m dsv4batch.bench profile")
     parser.add_argument("--json", action="store_true")
@@ -325,6 +343,8 @@ def main(argv):
             out["scaling"] = scaling(ours, [int(n) for n in args.scaling.split(",")], args.repeats)
         if args.gemm:
             out["gemm"] = gemm_rates(ours, args.repeats)
+            if args.compare:
+                add_ceilings(out, ours.model.config)
         if hf is not None:
             hf.close()
         del ours, hf

@@ -61,6 +61,8 @@ WORDS = ("the of and to in is was for on that with as by at from his it an were 
 class ZeroEngine:
     """Stands in for the `Engine` in the `stream` run: every scored token gets log p = 0."""
 
+    head_precision = "none"  # no head runs
+
     def score_details(self, requests, top_k: int = 0):
         """`Engine.score_details`' shapes: log p = 0, never the argmax, top-K of zeros."""
         from dsv4batch.model import TokenScores

@@ -56,7 +56,7 @@ class Engine:
         self.pool = WorkspacePool()
         if model is not None and self.device.type == "cpu":  # (the step tests schedule without a model)
             retain_freed_memory()
-            if self.config.head_precision == "bf16" and not bf16_available():
+            if self.config.head_precision == "bf16" and self.head_precision == "fp32":
                 warnings.warn("head_precision='bf16': this CPU has no bf16 GEMM units (AVX512-BF16 or AMX) "
                               "or DSV4BATCH_CPU_GEMM=blas; the head computes in fp32", RuntimeWarning, stacklevel=2)
 
@@ -74,6 +74,18 @@ class Engine:
     @property
     def device(self):
         return self.model.device
+
+    @property
+    def head_precision(self) -> str:
+        """What the vocabulary head's GEMM computes in: the head weight's dtype when it is not
+        fp32 ("bf16" / "fp16": a bf16 model's head whatever is asked), else "bf16" where
+        `config.head_precision` asks for it and it runs (the CPU backend with bf16 units,
+        `kernels.bf16_available`), else "fp32"."""
+        dtype = self.model.head.weight.dtype
+        if dtype != torch.float32:
+            return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).removeprefix("torch."))
+        is_bf16 = self.config.head_precision == "bf16" and self.device.type == "cpu" and bf16_available()
+        return "bf16" if is_bf16 else "fp32"
 
     def validate(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Requests as int64 arrays; `ValueError` naming the first empty, out-of-vocab or too long one."""

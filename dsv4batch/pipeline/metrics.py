@@ -75,7 +75,8 @@ def summarize(snapshot: dict, written: Written, wall_s: float, extra: dict | Non
         span = (a["t_last"] - a["t_first"]) if a["t_first"] else 0.0
         per_actor.append({
             "actor_id": a["actor_id"], "node_id": a.get("node_id"), "device": a.get("device"),
-            "dtype": a.get("dtype"), "load_s": round(a.get("load_s", 0.0), 3),
+            "dtype": a.get("dtype"), "head_precision": a.get("head_precision"),
+            "load_s": round(a.get("load_s", 0.0), 3),
             "pids": a.get("pids", []), "restarts": max(len(a.get("pids", [])) - 1, 0),
             "batches": a["batches"], "rows": a["rows"], "input_tokens": a["input_tokens"],
             "scored_tokens": a["scored_tokens"], "busy_s": round(a["busy_s"], 3),
@@ -129,9 +130,15 @@ def format_summary(m: dict) -> str:
                      f"{total['wall_s']:.1f}s; OUTPUT holds {m.get('rows_in_output')} rows")
     for a in m["actors"]:
         restarts = f"  restarts {a['restarts']}" if a.get("restarts") else ""
-        lines.append(f"  actor {a['actor_id'][:12]} node {str(a['node_id'])[:12]} {a['device']}: "
+        head = f" head {a['head_precision']}" if a.get("head_precision") else ""
+        lines.append(f"  actor {a['actor_id'][:12]} node {str(a['node_id'])[:12]} {a['device']}{head}: "
                      f"{a['rows']} rows  {a['tokens_per_s']:.0f} tok/s  {a['rows_per_s']:.1f} "
                      f"rows/s  busy {a['busy_s']:.1f}s{restarts}")
+    asked = m.get("head_precision")
+    other = [a for a in m["actors"] if asked == "bf16" and a.get("head_precision") == "fp32"]
+    if other:
+        lines.append(f"note: head_precision 'bf16' was asked, but {len(other)} of {len(m['actors'])} "
+                     "actor(s) computed the head in fp32 (no bf16 GEMM units on their CPU)")
     return "\n".join(lines)
 
 

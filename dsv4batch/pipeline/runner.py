@@ -176,7 +176,8 @@ def _finish(config, info, result, wall: float, extra: dict, job: dict, log) -> d
                             "rows; no _SUCCESS written")
     metrics = summarize(snapshot, written, wall,
                         {**extra, "rows_in_output": total, "replicas": config.replicas,
-                         "tp": config.tp, "gpus_per_replica": config.gpus_per_replica})
+                         "tp": config.tp, "gpus_per_replica": config.gpus_per_replica,
+                         "head_precision": config.head_precision})
     metrics = accumulate(_previous_metrics(config.output) if extra["resumed"] else None, metrics)
     O.write_json(config.output, O.METRICS, metrics)
     O.write_json(config.output, O.SUCCESS, {"run_id": extra["run_id"], "rows": total})

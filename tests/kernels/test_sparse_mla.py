@@ -376,6 +376,31 @@ def test_dense_blocks_match_dense_reference(sink_kind):
         torch.testing.assert_close(x[16:48], y[16:48], atol=1e-6, rtol=1e-6)
 
 
+def test_runs_of_full_blocks_run_in_place_beside_a_short_last_block(monkeypatch):
+    import dsv4batch.kernels.reference as ref
+
+    assert ref.RUN_MIN == 4
+    # runs of >= 4 consecutive full blocks (8 queries each) stay together; the rest follows its group's runs
+    assert ref._runs_first([0, 8, 16, 24, 40, 48, 56, 64, 72, 80], [True] * 9 + [False], [10], 8) == \
+        (list(range(10)), [(0, 4, 0), (4, 9, 0), (9, 10, 0)])
+    assert ref._runs_first([0, 50, 58, 66, 74, 0, 8, 16], [True] * 8, [5, 3], 8) == \
+        ([1, 2, 3, 4, 0, 5, 6, 7], [(0, 4, 0), (4, 5, 0), (5, 8, 1)])
+    # one request of 9 full blocks and a short last one of the same width: the full ones run in
+    # place, the short one is gathered, and the results are the definition's
+    q, kv, idx, tl, _ = window_case(156, 4, 32, 24, seed=4, num_requests=1)
+    bounds = list(range(0, 156, 16)) + [156]  # unions 16, then 39 (width 48), the last 12 + 23 (48)
+    seen = []
+    real = ref._runs_first
+    monkeypatch.setattr(ref, "_runs_first", lambda *a: seen.append(real(*a)) or seen[-1])
+    got = sparse_mla_prefill(q, kv, idx, 0.3, None, tl, backend="torch", query_blocks=bounds)
+    check(got, want := dense_reference(q, kv, idx, 0.3, None, tl), FP32_TOL)
+    runs = {g for _, segments in seen for s, e, g in segments if e - s >= 4}
+    assert any(e - s == 1 and g in runs for _, segments in seen for s, e, g in segments)
+    for x, y in zip(got, sparse_mla_prefill(q, kv, idx, 0.3, None, tl, backend="torch")):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+    assert want[0].isfinite().all()
+
+
 def csa_case(s_q, h_q, d_qk, window, topk, s_comp, *, seed=0):
     """Indices like one long CSA chunk: each query's `topk` compressed rows (random, per query,
     from [0, s_comp)) first, then its window of raw rows (kv rows s_comp + position)."""

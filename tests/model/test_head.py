@@ -176,6 +176,7 @@ def test_a_bf16_head_stays_near_fp32_keeps_its_invariants_and_is_opt_in(engine):
     assert (alone[0] == got[2]).all()  # and a row's logprob does not depend on its batch-mates
     tiles = engine.model.packed_head.tiles(engine.model.head.weight, VOCAB_TILE, 512, "bf16")
     assert tiles.is_bf16 == dense.bf16_available()  # bf16 where the CPU has it, else fp32
+    assert engine.head_precision == "fp32" and low.head_precision == ("bf16" if tiles.is_bf16 else "fp32")
     if tiles.is_bf16:
         assert tiles.weights[0].dtype == torch.bfloat16
         assert any(not np.array_equal(a, b) for a, b in zip(got, exact))  # it did run in bf16
@@ -195,3 +196,13 @@ def test_a_bf16_head_without_bf16_units_warns_and_computes_fp32(engine, monkeypa
     reqs = [[0, 5, 9, 200, 17, 3] * 4, [0, 44, 45]]
     for a, b in zip(low.score(reqs)[0], engine.score(reqs)[0]):
         assert np.array_equal(a, b)
+    assert low.head_precision == "fp32"  # what the actors report into _metrics.json
+
+
+def test_the_head_precision_of_a_bf16_model_is_its_weights(engine):
+    import copy
+
+    from dsv4batch.model import Engine, EngineConfig
+
+    model = copy.deepcopy(engine.model).to(torch.bfloat16)
+    assert Engine(model, EngineConfig(head_precision="fp32")).head_precision == "bf16"

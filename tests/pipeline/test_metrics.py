@@ -22,11 +22,12 @@ def test_batch_stats_sum_counts_and_keep_peaks_and_times():
 
 def test_summary_overall_and_per_actor():
     c = StatsCollector()
-    c.register_actor({"actor_id": "b", "node_id": "n2", "device": "cpu", "load_s": 2.0})
+    c.register_actor({"actor_id": "b", "node_id": "n2", "device": "cpu", "load_s": 2.0,
+                      "head_precision": "fp32"})
     c.register_actor({"actor_id": "a", "node_id": "n1", "device": "cuda", "load_s": 3.0,
                       "pid": 11})
     c.register_actor({"actor_id": "a", "node_id": "n1", "device": "cuda", "load_s": 3.0,
-                      "pid": 12})  # restarted: Ray keeps the actor id, the process is new
+                      "pid": 12, "head_precision": "bf16"})  # restarted: Ray keeps the actor id, the process is new
     c.begin_batch("k")
     c.end_batch("k", 1, "'r7'", "ValueError: bad")
     c.record_batch("a", batch(10.0, 4, 100))
@@ -35,7 +36,7 @@ def test_summary_overall_and_per_actor():
     c.record_tokenize(10, 0.5)
     written = Written(rows=10, rows_errored=1, input_tokens=250, scored_tokens=240,
                       files=["part-x-000000.parquet"])
-    m = summarize(c.snapshot(), written, wall_s=5.0, extra={"run_id": "x"})
+    m = summarize(c.snapshot(), written, wall_s=5.0, extra={"run_id": "x", "head_precision": "bf16"})
     assert (m["rows"], m["rows_scored"], m["rows_errored"]) == (10, 9, 1)
     assert m["tokens_per_s"] == 50.0 and m["rows_per_s"] == 2.0 and m["active_s"] == 2.0
     assert m["active_tokens_per_s"] == 125.0 and m["num_actors"] == 2
@@ -48,7 +49,11 @@ def test_summary_overall_and_per_actor():
     assert a["pids"] == [11, 12] and a["restarts"] == 1 and m["actors"][1]["restarts"] == 0
     assert m["rows_failed"] == 1 and m["faults"]["failures"][0]["first_id"] == "'r7'"
     assert m["run_id"] == "x" and m["files"] == ["part-x-000000.parquet"]
-    assert "actor a" in format_summary(m)
+    assert [a["head_precision"] for a in m["actors"]] == ["bf16", "fp32"]
+    text = format_summary(m)
+    assert "actor a" in text and "cuda head bf16:" in text
+    assert "'bf16' was asked, but 1 of 2 actor(s) computed the head in fp32" in text
+    assert "was asked" not in format_summary({**m, "head_precision": "fp32"})
 
 
 def test_summary_of_an_empty_run():

@@ -65,7 +65,7 @@ class ScoringActor:
         except Exception:
             pass
         self.info = {"actor_id": self.actor_id, "node_id": self.node_id, "pid": os.getpid(),
-                     "device": self.device, "dtype": self.dtype,
+                     "device": self.device, "dtype": self.dtype, "head_precision": self.engine.head_precision,
                      "load_s": time.perf_counter() - t0,
                      **({"ranks": self.engine.ranks} if hasattr(self.engine, "ranks") else {})}
         if stats is not None:

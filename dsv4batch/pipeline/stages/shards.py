@@ -72,6 +72,7 @@ class RankWorker:
         tensors = list(self.engine.model.parameters()) + list(self.engine.model.buffers())
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "device": device, "dtype": str(self.engine.model.head.weight.dtype).removeprefix("torch."),
+                "head_precision": self.engine.head_precision,
                 "resident_bytes": sum(t.numel() * t.element_size() for t in tensors),
                 "load_s": time.perf_counter() - t0}
 
@@ -121,6 +122,11 @@ class ShardedEngine:
         self.workers, self.ranks, self.engine_config = [], [], None
         self.restarts = 0
         self.start()
+
+    @property
+    def head_precision(self) -> str:
+        """`Engine.head_precision` of the ranks (rank 0's; the ranks' own are in `ranks`)."""
+        return self.ranks[0]["head_precision"]
 
     def start(self) -> None:
         """Start T workers, one per bundle, join their group and load the slices."""
