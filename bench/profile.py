@@ -14,7 +14,12 @@ its own process unless `--hf-shared`).
 indexer's share and the peak resident memory of the call (VmHWM after resetting it).
 `--gemm`: this machine's fp32 GEMM rate next to the head's achieved rate (same run, CPU time);
 with `--compare` also each case's `ceiling_speedup`: the end-to-end ratio our decoder stack
-would reach with the head's GEMM at that rate (`add_ceilings`).
+would reach with the head's GEMM at that rate, and `floor_speedup`: the ratio with every GEMM
+(the stack's counted mm/bmm FLOPs, `stack_gflop`, and the head's) at that rate (`add_ceilings`).
+`--attn`: the attention kernel's backends on each case, in one process: the torch reference
+(`attn_backend="torch"`) vs the fused cpu kernel (`"cpu"`), end to end, interleaved, best of
+`--repeats`: tokens/s, speedup and the logprobs' absolute difference (`attn_case`).
+`--attn-backend`: our engine's `EngineConfig.attn_backend` for every other measurement.
 `--bf16`: fp32 vs the same model cast to bfloat16 (CPU AMX / AVX512-BF16 GEMMs accumulate in
 fp32) and vs the fp32 model with a bf16 head (`head_precision="bf16"`) on each case: tokens/s and
 the logprobs' absolute difference from fp32 (max, mean). `--head-precision bf16`: every other
@@ -167,11 +172,35 @@ def compare_case(ours, hf, batch, repeats: int) -> dict:
         t["hf"] = min(t["hf"], hf.seconds(batch))
         t["ours_layers"] = min(t["ours_layers"], best_of(lambda: ours_layers(ours, batch), 1))
         t["hf_layers"] = min(t["hf_layers"], hf.seconds(batch, head=False))
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as flops:  # the stack's GEMM work (mm/bmm) as our kernels run it
+        ours_layers(ours, batch)
     return {"requests": len(batch), "tokens": tokens, "ours_tok_s": round(tokens / t["ours"], 1),
             "hf_tok_s": round(tokens / t["hf"], 1), "speedup": round(t["hf"] / t["ours"], 2),
+            "stack_gflop": round(flops.get_total_flops() / 1e9, 2),
             "ours_layers_tok_s": round(tokens / t["ours_layers"], 1),
             "hf_layers_tok_s": round(tokens / t["hf_layers"], 1),
             "layers_speedup": round(t["hf_layers"] / t["ours_layers"], 2)}
+
+
+def attn_case(ours, batch, repeats: int) -> dict:
+    """One engine's model with the torch reference kernel vs the fused cpu kernel on one batch:
+    tok/s of each (interleaved, best of `repeats`), the speedup and |logprob difference|."""
+    import dataclasses
+
+    from dsv4batch.model import Engine
+
+    engines = {k: Engine(ours.model, dataclasses.replace(ours.config, attn_backend=k)) for k in ("torch", "cpu")}
+    scores = {k: np.concatenate(e.score(batch)[0]).astype(np.float64) for k, e in engines.items()}
+    t = {k: float("inf") for k in engines}
+    for _ in range(repeats):
+        for k, e in engines.items():
+            t[k] = min(t[k], best_of(lambda e=e: e.score(batch), 1))
+    tokens, diff = sum(len(ids) - 1 for ids in batch), np.abs(scores["torch"] - scores["cpu"])
+    return {"tokens": tokens, "torch_tok_s": round(tokens / t["torch"], 1), "cpu_tok_s": round(tokens / t["cpu"], 1),
+            "speedup": round(t["torch"] / t["cpu"], 2), "max_abs_diff": float(diff.max()),
+            "mean_abs_diff": float(diff.mean())}
 
 
 def bf16_case(ours, batch, repeats: int) -> dict:
@@ -291,7 +320,9 @@ def add_ceilings(out: dict, config) -> None:
     """Per compared case, what the fp32 head allows: `head_floor_s` = the head's GEMM FLOPs
     (2 * tokens * hidden * vocab) at this run's fp32 2048^3 rate on every thread, and
     `ceiling_speedup` = transformers' time / (our decoder stack's time + head_floor_s): the
-    end-to-end ratio if our head ran at the machine's GEMM rate with nothing else around it."""
+    end-to-end ratio if our head ran at the machine's GEMM rate with nothing else around it; and
+    `floor_speedup` = transformers' time / ((stack_gflop + the head's GFLOP) at that rate): the
+    ratio if every GEMM we run, stack included, ran at the machine's rate and nothing else took time."""
     gemm = out["gemm"]
     rate = max(gemm["gemm_2048_blas_gflops"], gemm["gemm_2048_dense_linear_gflops"]) * 1e9 * torch.get_num_threads()
     for row in out.values():
@@ -301,6 +332,7 @@ def add_ceilings(out: dict, config) -> None:
         floor = 2 * tokens * config.hidden_size * config.vocab_size / rate
         row["head_floor_s"] = round(floor, 4)
         row["ceiling_speedup"] = round((tokens / row["hf_tok_s"]) / (tokens / row["ours_layers_tok_s"] + floor), 2)
+        row["floor_speedup"] = round((tokens / row["hf_tok_s"]) / (floor + row["stack_gflop"] * 1e9 / rate), 2)
 
 
 def main(argv):
@@ -318,11 +350,15 @@ def main(argv):
     parser.add_argument("--bf16", action="store_true", help="fp32 vs a bfloat16 model and vs a bf16 head: "
                         "speed and logprob error")
     parser.add_argument("--head-precision", default="fp32", help="our engine's EngineConfig.head_precision")
+    parser.add_argument("--attn", action="store_true", help="torch reference vs fused cpu attention kernel: "
+                        "speed and logprob difference")
+    parser.add_argument("--attn-backend", default="auto", help="our engine's EngineConfig.attn_backend")
     args = parser.parse_args(argv)
     from dsv4batch.model import EngineConfig
 
     max_len = max([16384] + [int(n) for n in args.scaling.split(",") if n])
-    config = EngineConfig(max_num_batched_tokens=4096, max_model_len=max_len, head_precision=args.head_precision)
+    config = EngineConfig(max_num_batched_tokens=4096, max_model_len=max_len, head_precision=args.head_precision,
+                          attn_backend=args.attn_backend)
     result = {"bench": "profile", "threads": torch.get_num_threads(), "models": {}}
     for model_name in args.models.split(","):
         out = result["models"].setdefault(model_name, {})
@@ -334,7 +370,9 @@ def main(argv):
             ours, hf = build_engine(model_name, config), None
         for case in args.cases.split(",") if args.cases else []:
             batch = random_prompts(case_lengths(case), ours.model.config.vocab_size, seed=len(case))
-            if args.bf16:
+            if args.attn:
+                out[case] = attn_case(ours, batch, args.repeats)
+            elif args.bf16:
                 out[case] = bf16_case(ours, batch, args.repeats)
             else:
                 out[case] = compare_case(ours, hf, batch, args.repeats) if args.compare \

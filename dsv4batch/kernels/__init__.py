@@ -4,15 +4,19 @@ This package is the one module family that imports ``flash_mla`` (the ``sgl-flas
 optional extra ``gpu``).  Everything else calls :func:`sparse_mla_prefill`, which runs either
 
 * ``"torch"``: :func:`dsv4batch.kernels.reference.sparse_mla_prefill_torch`, pure torch, CPU or
-  CUDA, fp32 math.  **That function is the definition of the contract below**; or
+  CUDA, fp32 math.  **That function is the definition of the contract below**;
+* ``"cpu"``: :func:`dsv4batch.kernels.cpu.sparse_mla_prefill_cpu`, a fused C++ kernel built on
+  first use (``cpu.py``): one query at a time over its own slots, fp32 math, equal to the
+  reference up to fp32 rounding; CPU tensors, not fp64, d_qk and d_v multiples of 16; or
 * ``"flashmla"``: :func:`dsv4batch.kernels.flashmla.sparse_mla_prefill_flashmla`, the FlashMLA
   kernel (CUDA sm90/sm100, d_qk == d_v == 512, bf16 math, so results match only approximately:
   out within abs 8e-4 / rel 3/128, max_logits and lse within about 1e-6 relative).
 
 Backend choice: ``backend="auto"`` takes FlashMLA when it imported and the call fits it, else
-torch; the environment variable ``DSV4BATCH_ATTN_BACKEND`` (``auto``/``torch``/``flashmla``)
-replaces ``"auto"`` when set.  ``"torch"`` / ``"flashmla"`` force a backend; forcing FlashMLA
-where it cannot run raises ``RuntimeError`` with the reason.
+the cpu kernel when the call fits it and it builds, else torch; the environment variable
+``DSV4BATCH_ATTN_BACKEND`` (``auto``/``torch``/``cpu``/``flashmla``) replaces ``"auto"`` when
+set.  ``"torch"`` / ``"cpu"`` / ``"flashmla"`` force a backend; forcing one where it cannot run
+raises ``RuntimeError`` with the reason.
 
 The package's other entry points: :func:`quant_linear` (``quant_matmul.py``) multiplies by a
 weight kept as the checkpoint stores it (FP8 block-scaled or FP4 e2m1; its contract is in
@@ -50,28 +54,37 @@ from typing import Optional
 
 import torch
 
+from . import cpu as _cpu
 from . import flashmla as _flashmla
 from .dense import bf16_available, bf16_linear, dense_linear, pack_weight
 from .env import env_choice
 from .quant_matmul import quant_backends, quant_linear
 from .reference import check_shapes, sparse_mla_prefill_torch
 
-__all__ = ["sparse_mla_prefill", "available_backends", "ENV_BACKEND", "quant_linear", "quant_backends", "dense_linear",
+__all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "ENV_BACKEND", "quant_linear", "quant_backends", "dense_linear",
            "pack_weight", "bf16_linear", "bf16_available"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
-_BACKENDS = ("auto", "torch", "flashmla")
+_BACKENDS = ("auto", "torch", "cpu", "flashmla")
 
 
 def available_backends() -> list[str]:
-    """Backends usable in this process: ``"torch"`` always; ``"flashmla"`` when ``flash_mla``
-    imported and the current CUDA device is sm90/sm100 (shape limits are checked per call)."""
-    names = ["torch"]
+    """Backends usable in this process: ``"torch"`` always; ``"cpu"`` when its kernel builds;
+    ``"flashmla"`` when ``flash_mla`` imported and the current CUDA device is sm90/sm100 (shape
+    limits are checked per call)."""
+    names = ["torch"] + (["cpu"] if _cpu.library() is not None else [])
     if _flashmla.flash_mla_sparse_fwd_fn is not None and torch.cuda.is_available():
         probe = torch.empty(0, 1, _flashmla.D_QK, device="cuda")
         if _flashmla.unsupported_reason(probe) is None:
             names.append("flashmla")
     return names
+
+
+def attention_backend(backend: str, device, dtype: torch.dtype, d_qk: int) -> str:
+    """The backend ``sparse_mla_prefill(..., backend=backend)`` runs for q on ``device`` in
+    ``dtype`` with head dim ``d_qk`` (d_v = d_qk): ``"torch"``, ``"cpu"`` or ``"flashmla"``.
+    Raises as ``sparse_mla_prefill`` does when a forced backend cannot run there."""
+    return _resolve(backend, torch.empty(0, 1, d_qk, device=device, dtype=dtype), None)
 
 
 def _resolve(backend: str, q: torch.Tensor, d_v: Optional[int]) -> str:
@@ -80,11 +93,13 @@ def _resolve(backend: str, q: torch.Tensor, d_v: Optional[int]) -> str:
     if backend == "auto":
         backend = env_choice(ENV_BACKEND, _BACKENDS) or "auto"
     if backend == "auto":
-        return "flashmla" if _flashmla.unsupported_reason(q, d_v) is None else "torch"
-    if backend == "flashmla":
-        reason = _flashmla.unsupported_reason(q, d_v)
+        if _flashmla.unsupported_reason(q, d_v) is None:
+            return "flashmla"
+        return "cpu" if _cpu.unsupported_reason(q, d_v) is None else "torch"
+    if backend != "torch":
+        reason = (_flashmla if backend == "flashmla" else _cpu).unsupported_reason(q, d_v)
         if reason is not None:
-            raise RuntimeError(f"flashmla backend requested but unavailable: {reason}")
+            raise RuntimeError(f"{backend} backend requested but unavailable: {reason}")
     return backend
 
 
@@ -107,13 +122,16 @@ def sparse_mla_prefill(
     ``query_blocks``: optional increasing boundaries ``[0, ..., s_q]`` of consecutive queries
     that share most of their slots (one request's neighbouring positions). A hint, not part of
     the contract: the torch backend may attend over a block's union of slots at once (the same
-    result up to fp32 rounding); FlashMLA ignores it."""
+    result up to fp32 rounding); the cpu kernel and FlashMLA ignore it."""
     check_shapes(q, kv, indices, d_v)
     if attn_sink is not None and attn_sink.numel() != q.shape[1]:
         raise ValueError(f"attn_sink must be [h_q={q.shape[1]}], got {tuple(attn_sink.shape)}")
     if topk_length is not None and topk_length.numel() != q.shape[0]:
         raise ValueError(f"topk_length must be [s_q={q.shape[0]}], got {tuple(topk_length.shape)}")
-    if _resolve(backend, q, d_v) == "flashmla":
+    chosen = _resolve(backend, q, d_v)
+    if chosen == "flashmla":
         return _flashmla.sparse_mla_prefill_flashmla(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)
+    if chosen == "cpu":
+        return _cpu.sparse_mla_prefill_cpu(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)
     return sparse_mla_prefill_torch(q, kv, indices, sm_scale, attn_sink, topk_length, d_v,
                                     query_blocks=query_blocks)

@@ -14,6 +14,7 @@ from ..planner import PLANNER_NAMES
 
 TINY = "tiny"  # the embedded model's name; anything else is a checkpoint folder
 HEAD_PRECISIONS = ("fp32", "bf16")  # EngineConfig.head_precision
+ATTN_BACKENDS = ("auto", "torch", "cpu", "flashmla")  # EngineConfig.attn_backend: `dsv4batch.kernels` backends
 LAYER_RATIO_KEYS = {
     "sliding_attention": None,
     "compressed_sparse_attention": "compressed_sparse_attention",
@@ -37,7 +38,8 @@ class EngineConfig:
     sort_by_length: order requests by length before packing steps (outputs keep input order).
     logits_slice: rows of the fused vocabulary head computed at once (every slice has exactly this
         many rows: one GEMM shape, batch-invariant; 512 measured 17% faster per row than 256 on CPU).
-    attn_backend: "auto", "torch" or "flashmla" (see `dsv4batch.kernels`).
+    attn_backend: "auto", "torch", "cpu" or "flashmla" (see `dsv4batch.kernels`; "auto" takes
+        FlashMLA on a GPU that fits it, else the fused cpu kernel where it builds, else torch).
     head_precision: the vocabulary head's CPU GEMM: "fp32" (exact to fp32 rounding) or "bf16"
         (opt-in: a bf16 GEMM with fp32 sums and bf16 logits, the reduction in fp32, where the CPU
         has bf16 units (AVX512-BF16 or AMX), else fp32 with a warning: `kernels.dense`; 1.2-1.5x
@@ -63,8 +65,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.planner not in PLANNER_NAMES:
             raise ValueError(f"EngineConfig.planner must be one of {PLANNER_NAMES}, got {self.planner!r}")
-        if self.attn_backend not in ("auto", "torch", "flashmla"):
-            raise ValueError(f"EngineConfig.attn_backend must be auto|torch|flashmla, got {self.attn_backend!r}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"EngineConfig.attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
         if self.head_precision not in HEAD_PRECISIONS:
             raise ValueError(f"EngineConfig.head_precision must be one of {HEAD_PRECISIONS}, "
                              f"got {self.head_precision!r}")

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..kernels import bf16_available
+from ..kernels import attention_backend, bf16_available
 from .attention import WorkspacePool
 from .config import EngineConfig
 from .head import TokenScores
@@ -86,6 +86,13 @@ class Engine:
             return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).removeprefix("torch."))
         is_bf16 = self.config.head_precision == "bf16" and self.device.type == "cpu" and bf16_available()
         return "bf16" if is_bf16 else "fp32"
+
+    @property
+    def attn_kernel(self) -> str:
+        """The sparse attention kernel this engine's steps run: "cpu", "torch" or "flashmla"
+        (`config.attn_backend` resolved for the model's device, dtype and head dim)."""
+        return attention_backend(self.config.attn_backend, self.device, self.model.head.weight.dtype,
+                                 self.model.config.head_dim)
 
     def validate(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Requests as int64 arrays; `ValueError` naming the first empty, out-of-vocab or too long one."""

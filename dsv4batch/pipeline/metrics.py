@@ -76,6 +76,7 @@ def summarize(snapshot: dict, written: Written, wall_s: float, extra: dict | Non
         per_actor.append({
             "actor_id": a["actor_id"], "node_id": a.get("node_id"), "device": a.get("device"),
             "dtype": a.get("dtype"), "head_precision": a.get("head_precision"),
+            "attn_kernel": a.get("attn_kernel"),
             "load_s": round(a.get("load_s", 0.0), 3),
             "pids": a.get("pids", []), "restarts": max(len(a.get("pids", [])) - 1, 0),
             "batches": a["batches"], "rows": a["rows"], "input_tokens": a["input_tokens"],
@@ -131,6 +132,7 @@ def format_summary(m: dict) -> str:
     for a in m["actors"]:
         restarts = f"  restarts {a['restarts']}" if a.get("restarts") else ""
         head = f" head {a['head_precision']}" if a.get("head_precision") else ""
+        head += f" attention {a['attn_kernel']}" if a.get("attn_kernel") else ""
         lines.append(f"  actor {a['actor_id'][:12]} node {str(a['node_id'])[:12]} {a['device']}{head}: "
                      f"{a['rows']} rows  {a['tokens_per_s']:.0f} tok/s  {a['rows_per_s']:.1f} "
                      f"rows/s  busy {a['busy_s']:.1f}s{restarts}")

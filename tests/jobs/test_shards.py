@@ -51,6 +51,7 @@ def test_two_tp2_replicas_each_on_one_node(tmp_path, checkpoint, cluster):
     assert all(len(a["ranks"]) == 2 and {r["rank"] for r in a["ranks"]} == {0, 1} for a in actors)
     assert all(a["head_precision"] == "fp32" and {r["head_precision"] for r in a["ranks"]} == {"fp32"}
                for a in actors)
+    assert all(a["attn_kernel"] == "cpu" and {r["attn_kernel"] for r in a["ranks"]} == {"cpu"} for a in actors)
     assert not any(n.startswith("dsv4batch-replica") for n in placement_group_names())
 
 

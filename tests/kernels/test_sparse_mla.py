@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dsv4batch.kernels import available_backends, sparse_mla_prefill
+from dsv4batch.kernels import cpu as cpu_mod
 from dsv4batch.kernels import flashmla as flashmla_mod
 from dsv4batch.kernels.reference import sparse_mla_prefill_torch
 
@@ -82,19 +83,29 @@ def check(got, want, out_tol):
 
 FP32_TOL = dict(atol=2e-6, rtol=2e-5)
 BF16_TOL = dict(atol=1e-2, rtol=1.6e-2)
+# The CPU backends: the torch reference and the fused cpu kernel (built here: CI has a compiler,
+# so a kernel that does not build fails these tests instead of skipping them).
+CPU_BACKENDS = ["torch", "cpu"]
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request):
+    if request.param == "cpu":
+        assert cpu_mod.library() is not None, cpu_mod.build_error()
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sink_kind", ["none", "finite", "neg_inf", "mixed"])
 @pytest.mark.parametrize("with_tl", [False, True])
-def test_matches_dense_reference(dtype, sink_kind, with_tl):
+def test_matches_dense_reference(dtype, sink_kind, with_tl, backend):
     s_q, h_q, d_qk, s_kv, topk = 40, 4, 32, 57, 24
     q, kv, idx, tl = make_case(s_q, h_q, d_qk, s_kv, topk, dtype=dtype, lonely_rows=(3, 17),
                                with_topk_length=with_tl, seed=hash((sink_kind, with_tl)) % 1000)
     sink = {"none": None, "finite": torch.randn(h_q) * 2,
             "neg_inf": torch.full((h_q,), -INF),
             "mixed": torch.tensor([-INF, 0.5, INF, 4.0])}[sink_kind]
-    got = sparse_mla_prefill(q, kv, idx, 0.3, sink, tl, backend="torch")
+    got = sparse_mla_prefill(q, kv, idx, 0.3, sink, tl, backend=backend)
     assert got[0].dtype == dtype and got[0].shape == (s_q, h_q, d_qk)
     assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
     assert got[1].shape == got[2].shape == (s_q, h_q)
@@ -105,7 +116,7 @@ def test_matches_dense_reference(dtype, sink_kind, with_tl):
         assert (got[1][i] == -INF).all() and (got[2][i] == INF).all()
     # a real sink must actually shrink the output (guards against sink being ignored)
     if sink_kind == "finite":
-        plain = sparse_mla_prefill(q, kv, idx, 0.3, None, tl, backend="torch")[0]
+        plain = sparse_mla_prefill(q, kv, idx, 0.3, None, tl, backend=backend)[0]
         assert (got[0].float().norm() < plain.float().norm() * 0.999).item()
 
 
@@ -122,15 +133,15 @@ def test_hand_computed():
     assert out[1, 0, 0].item() == 0.0 and ml[1, 0].item() == -INF and lse[1, 0].item() == INF
 
 
-def test_neg_inf_sink_is_bitwise_no_sink():
+def test_neg_inf_sink_is_bitwise_no_sink(backend):
     q, kv, idx, tl = make_case(33, 3, 16, 40, 20, seed=5, lonely_rows=(4,))
-    a = sparse_mla_prefill(q, kv, idx, 0.25, None, tl)
-    b = sparse_mla_prefill(q, kv, idx, 0.25, torch.full((3,), -INF), tl)
+    a = sparse_mla_prefill(q, kv, idx, 0.25, None, tl, backend=backend)
+    b = sparse_mla_prefill(q, kv, idx, 0.25, torch.full((3,), -INF), tl, backend=backend)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
 
-def test_nan_rows_behind_invalid_slots_do_not_leak():
+def test_nan_rows_behind_invalid_slots_do_not_leak(backend):
     s_q, h_q, d_qk, s_kv, topk, n_live = 30, 2, 16, 200, 16, 10
     q, kv, idx, _ = make_case(s_q, h_q, d_qk, s_kv, topk, seed=7, lonely_rows=(2,), with_topk_length=False)
     tl = torch.full((s_q,), n_live, dtype=torch.int32)
@@ -145,23 +156,23 @@ def test_nan_rows_behind_invalid_slots_do_not_leak():
     tail[tail >= 0] = torch.tensor(poisoned, dtype=torch.int32)[torch.arange(n_tail) % len(poisoned)]
     kv[poisoned] = float("nan")
     sink = torch.randn(h_q)
-    got = sparse_mla_prefill(q, kv, idx, 0.25, sink, tl)
+    got = sparse_mla_prefill(q, kv, idx, 0.25, sink, tl, backend=backend)
     check(got, dense_reference(q, kv, idx, 0.25, sink, tl), FP32_TOL)
     assert (got[2][2] == INF).all() and not torch.isnan(got[0]).any()
 
 
-def test_d_v_smaller_than_d_qk():
+def test_d_v_smaller_than_d_qk(backend):
     q, kv, idx, tl = make_case(25, 4, 48, 60, 20, seed=11)
     sink = torch.randn(4)
-    got = sparse_mla_prefill(q, kv, idx, 0.2, sink, tl, d_v=16)
+    got = sparse_mla_prefill(q, kv, idx, 0.2, sink, tl, d_v=16, backend=backend)
     assert got[0].shape == (25, 4, 16)
     check(got, dense_reference(q, kv, idx, 0.2, sink, tl, d_v=16), FP32_TOL)
 
 
-def test_s_kv_smaller_than_topk_and_all_out_of_range_values():
+def test_s_kv_smaller_than_topk_and_all_out_of_range_values(backend):
     q, kv, idx, tl = make_case(20, 2, 16, 9, 32, seed=13, lonely_rows=(0,))
     sink = torch.randn(2)
-    check(sparse_mla_prefill(q, kv, idx, 0.5, sink, tl), dense_reference(q, kv, idx, 0.5, sink, tl), FP32_TOL)
+    check(sparse_mla_prefill(q, kv, idx, 0.5, sink, tl, backend=backend), dense_reference(q, kv, idx, 0.5, sink, tl), FP32_TOL)
 
 
 @pytest.mark.parametrize("slice_elems", [1, 3000, 20000])
@@ -175,13 +186,15 @@ def test_slicing_matches_single_slice(slice_elems):
     check(many, dense_reference(q, kv, idx, 0.3, sink, tl), FP32_TOL)
 
 
-def test_empty_topk_and_empty_queries():
-    q = torch.randn(3, 2, 8)
-    kv = torch.randn(5, 1, 8)
-    out, ml, lse = sparse_mla_prefill(q, kv, torch.empty(3, 1, 0, dtype=torch.int32), 1.0)
-    assert torch.equal(out, torch.zeros(3, 2, 8)) and (ml == -INF).all() and (lse == INF).all()
-    out, ml, lse = sparse_mla_prefill(q[:0], kv, torch.empty(0, 1, 4, dtype=torch.int32), 1.0)
-    assert out.shape == (0, 2, 8) and ml.shape == lse.shape == (0, 2)
+def test_empty_topk_and_empty_queries(backend):
+    q = torch.randn(3, 2, 16)
+    kv = torch.randn(5, 1, 16)
+    out, ml, lse = sparse_mla_prefill(q, kv, torch.empty(3, 1, 0, dtype=torch.int32), 1.0, backend=backend)
+    assert torch.equal(out, torch.zeros(3, 2, 16)) and (ml == -INF).all() and (lse == INF).all()
+    out, ml, lse = sparse_mla_prefill(q[:0], kv, torch.empty(0, 1, 4, dtype=torch.int32), 1.0, backend=backend)
+    assert out.shape == (0, 2, 16) and ml.shape == lse.shape == (0, 2)
+    out, ml, lse = sparse_mla_prefill(q, kv[:0], torch.zeros(3, 1, 4, dtype=torch.int32), 1.0, backend=backend)
+    assert torch.equal(out, torch.zeros(3, 2, 16)) and (ml == -INF).all() and (lse == INF).all()
 
 
 def test_bad_shapes_raise():
@@ -202,8 +215,21 @@ def test_backend_selection_on_cpu(monkeypatch):
     q, kv, idx, tl = make_case(8, 2, 16, 20, 8, seed=3)
     monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
     ref = sparse_mla_prefill(q, kv, idx, 0.5, None, tl, backend="torch")
-    for x, y in zip(ref, sparse_mla_prefill(q, kv, idx, 0.5, None, tl)):  # auto on CPU -> torch
+    fused = sparse_mla_prefill(q, kv, idx, 0.5, None, tl, backend="cpu")
+    for x, y in zip(fused, sparse_mla_prefill(q, kv, idx, 0.5, None, tl)):  # auto on CPU -> the cpu kernel
         assert torch.equal(x, y)
+    assert "cpu" in available_backends()
+    for x, y in zip(ref[:1], fused[:1]):
+        torch.testing.assert_close(x, y, atol=2e-6, rtol=2e-5)
+    # calls the kernel does not take run on torch under auto, and refuse it when forced
+    q8 = q[..., :8]
+    for x, y in zip(sparse_mla_prefill(q8, kv[..., :8], idx, 0.5), sparse_mla_prefill(q8, kv[..., :8], idx, 0.5,
+                                                                                    backend="torch")):
+        assert torch.equal(x, y)
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        sparse_mla_prefill(q8, kv[..., :8], idx, 0.5, backend="cpu")
+    with pytest.raises(RuntimeError, match="float64"):
+        sparse_mla_prefill(q.double(), kv.double(), idx, 0.5, backend="cpu")
     with pytest.raises(RuntimeError, match="flashmla"):
         sparse_mla_prefill(q, kv, idx, 0.5, backend="flashmla")
     with pytest.raises(ValueError):
@@ -217,6 +243,41 @@ def test_backend_selection_on_cpu(monkeypatch):
         sparse_mla_prefill(q, kv, idx, 0.5)
     monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "torch")
     assert torch.equal(sparse_mla_prefill(q, kv, idx, 0.5, None, tl)[0], ref[0])
+    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "cpu")
+    assert torch.equal(sparse_mla_prefill(q, kv, idx, 0.5, None, tl)[0], fused[0])
+
+
+def test_cpu_kernel_that_cannot_build_leaves_auto_on_torch(monkeypatch):
+    """No compiler: auto runs the torch reference (same bits), a forced "cpu" says why."""
+    q, kv, idx, tl = make_case(8, 2, 16, 20, 8, seed=3)
+    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
+    monkeypatch.setattr(cpu_mod, "_state", {"error": "RuntimeError: no C++ compiler"})
+    assert available_backends() == ["torch"]
+    ref = sparse_mla_prefill(q, kv, idx, 0.5, None, tl, backend="torch")
+    for x, y in zip(ref, sparse_mla_prefill(q, kv, idx, 0.5, None, tl)):
+        assert torch.equal(x, y)
+    with pytest.raises(RuntimeError, match="could not be built.*no C\\+\\+ compiler"):
+        sparse_mla_prefill(q, kv, idx, 0.5, backend="cpu")
+
+
+def test_cpu_kernel_builds_into_its_cache_and_reports_compiler_errors(monkeypatch, tmp_path):
+    """A fresh cache folder gets the library (keyed by source, flags, compiler, CPU); a
+    compiler that fails leaves a reason naming the source, and no library."""
+    monkeypatch.setenv(cpu_mod.ENV_CACHE, str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_mod, "_state", {})
+    assert cpu_mod.library() is not None and cpu_mod.build_error() is None
+    built = list((tmp_path / "cache").iterdir())
+    assert [p.suffix for p in built] == [".so"]  # no temporary file left behind
+    bad = tmp_path / "bad-cxx"
+    bad.write_text("#!/bin/sh\necho 'error: no such flag' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv("CXX", str(bad))
+    monkeypatch.setattr(cpu_mod, "_state", {})
+    with pytest.warns(RuntimeWarning, match="torch reference"):
+        assert cpu_mod.library() is None
+    assert cpu_mod.library() is None  # not retried in this process
+    assert "sparse_mla.cpp failed" in cpu_mod.build_error() and "no such flag" in cpu_mod.build_error()
+    assert len(list((tmp_path / "cache").iterdir())) == 1
 
 
 # ---------------------------------------------------------------- GPU: FlashMLA vs torch
@@ -311,7 +372,7 @@ def test_flashmla_adapter_with_fake_kernel(monkeypatch, major, h_q):
     assert (got[0][:, 0] == 0).all()  # sink +inf zeroes head 0
 
 
-def test_torch_backend_is_batch_invariant():
+def test_cpu_backends_are_batch_invariant(backend):
     """A query's result is bit-identical whether it runs alone or with others of other lengths."""
     gen = torch.Generator().manual_seed(3)
     s_q, h_q, d, s_kv, topk = 40, 4, 32, 300, 150
@@ -320,9 +381,9 @@ def test_torch_backend_is_batch_invariant():
     idx = torch.stack([torch.randperm(s_kv, generator=gen)[:topk] for _ in range(s_q)]).int()[:, None]
     lens = torch.randint(1, topk + 1, (s_q,), generator=gen).int()
     sink = torch.randn(h_q, generator=gen)
-    together = sparse_mla_prefill(q, kv, idx, 0.2, sink, lens, backend="torch")
+    together = sparse_mla_prefill(q, kv, idx, 0.2, sink, lens, backend=backend)
     for i in range(s_q):
-        alone = sparse_mla_prefill(q[i:i + 1], kv, idx[i:i + 1], 0.2, sink, lens[i:i + 1], backend="torch")
+        alone = sparse_mla_prefill(q[i:i + 1], kv, idx[i:i + 1], 0.2, sink, lens[i:i + 1], backend=backend)
         for a, b in zip(alone, together):
             assert torch.equal(a[0], b[i])
 
@@ -438,7 +499,7 @@ def test_split_blocks_share_the_window_and_gather_the_rest(sink_kind, monkeypatc
 def test_wide_blocks_fall_back_and_bad_blocks_are_refused():
     q, kv, idx, tl = make_case(40, 2, 16, 300, 24, seed=21)  # random slots: unions too wide
     want = dense_reference(q, kv, idx, 0.5, None, tl)
-    check(sparse_mla_prefill(q, kv, idx, 0.5, None, tl, query_blocks=[0, 7, 40]), want, FP32_TOL)
-    for bad in ([0, 20], [1, 40], [0, 20, 20, 40]):
+    check(sparse_mla_prefill(q, kv, idx, 0.5, None, tl, backend="torch", query_blocks=[0, 7, 40]), want, FP32_TOL)
+    for bad in ([0, 20], [1, 40], [0, 20, 20, 40]):  # the hint is the torch backend's: it checks it
         with pytest.raises(ValueError, match="query_blocks"):
-            sparse_mla_prefill(q, kv, idx, 0.5, None, tl, query_blocks=bad)
+            sparse_mla_prefill(q, kv, idx, 0.5, None, tl, backend="torch", query_blocks=bad)

@@ -52,6 +52,25 @@ def test_num_steps_matches_schedule(tiny):
     assert stats.num_tokens == 227 and engine.score_tokens(batch)[1].shape == (9,)
 
 
+def test_attn_kernel_names_the_backend_that_runs(tiny, monkeypatch):
+    """auto on the CPU: the fused cpu kernel (torch where it cannot be built); forced ones as asked,
+    a forced one that cannot run refused; the config's names are the kernels' backends."""
+    from dsv4batch.kernels import _BACKENDS
+    from dsv4batch.kernels import cpu as cpu_mod
+    from dsv4batch.model.config import ATTN_BACKENDS
+
+    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
+    assert tiny.attn_kernel == "cpu"
+    assert Engine(tiny.model, EngineConfig(attn_backend="torch")).attn_kernel == "torch"
+    with pytest.raises(RuntimeError, match="flashmla"):
+        Engine(tiny.model, EngineConfig(attn_backend="flashmla")).attn_kernel
+    monkeypatch.setattr(cpu_mod, "_state", {"error": "RuntimeError: no C++ compiler"})
+    assert tiny.attn_kernel == "torch"
+    assert ATTN_BACKENDS == _BACKENDS
+    with pytest.raises(ValueError, match="attn_backend"):
+        EngineConfig(attn_backend="triton")
+
+
 def test_stats_add_sums_and_keeps_peaks():
     a = StepStats(num_tokens=3, num_steps=1, num_chunks=6, workspace_elements=10, model_calls=1,
                   planner_s=0.5, forward_s=1.0, peak_workspace_bytes=100)

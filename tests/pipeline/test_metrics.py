@@ -27,7 +27,7 @@ def test_summary_overall_and_per_actor():
     c.register_actor({"actor_id": "a", "node_id": "n1", "device": "cuda", "load_s": 3.0,
                       "pid": 11})
     c.register_actor({"actor_id": "a", "node_id": "n1", "device": "cuda", "load_s": 3.0,
-                      "pid": 12, "head_precision": "bf16"})  # restarted: Ray keeps the actor id, the process is new
+                      "pid": 12, "head_precision": "bf16", "attn_kernel": "flashmla"})  # restarted: Ray keeps the actor id, the process is new
     c.begin_batch("k")
     c.end_batch("k", 1, "'r7'", "ValueError: bad")
     c.record_batch("a", batch(10.0, 4, 100))
@@ -51,7 +51,8 @@ def test_summary_overall_and_per_actor():
     assert m["run_id"] == "x" and m["files"] == ["part-x-000000.parquet"]
     assert [a["head_precision"] for a in m["actors"]] == ["bf16", "fp32"]
     text = format_summary(m)
-    assert "actor a" in text and "cuda head bf16:" in text
+    assert "actor a" in text and "cuda head bf16 attention flashmla:" in text
+    assert [a["attn_kernel"] for a in m["actors"]] == ["flashmla", None]
     assert "'bf16' was asked, but 1 of 2 actor(s) computed the head in fp32" in text
     assert "was asked" not in format_summary({**m, "head_precision": "fp32"})
 

@@ -66,7 +66,7 @@ class ScoringActor:
             pass
         self.info = {"actor_id": self.actor_id, "node_id": self.node_id, "pid": os.getpid(),
                      "device": self.device, "dtype": self.dtype, "head_precision": self.engine.head_precision,
-                     "load_s": time.perf_counter() - t0,
+                     "attn_kernel": self.engine.attn_kernel, "load_s": time.perf_counter() - t0,
                      **({"ranks": self.engine.ranks} if hasattr(self.engine, "ranks") else {})}
         if stats is not None:
             stats.register_actor.remote(self.info)

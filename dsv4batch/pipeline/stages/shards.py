@@ -72,7 +72,7 @@ class RankWorker:
         tensors = list(self.engine.model.parameters()) + list(self.engine.model.buffers())
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "device": device, "dtype": str(self.engine.model.head.weight.dtype).removeprefix("torch."),
-                "head_precision": self.engine.head_precision,
+                "head_precision": self.engine.head_precision, "attn_kernel": self.engine.attn_kernel,
                 "resident_bytes": sum(t.numel() * t.element_size() for t in tensors),
                 "load_s": time.perf_counter() - t0}
 
@@ -127,6 +127,11 @@ class ShardedEngine:
     def head_precision(self) -> str:
         """`Engine.head_precision` of the ranks (rank 0's; the ranks' own are in `ranks`)."""
         return self.ranks[0]["head_precision"]
+
+    @property
+    def attn_kernel(self) -> str:
+        """`Engine.attn_kernel` of the ranks (rank 0's; the ranks' own are in `ranks`)."""
+        return self.ranks[0]["attn_kernel"]
 
     def start(self) -> None:
         """Start T workers, one per bundle, join their group and load the slices."""
