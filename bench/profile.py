@@ -281,8 +281,9 @@ def cpu_best(fn, repeats: int) -> float:
 def gemm_rates(engine, repeats: int) -> dict:
     """fp32 GFLOP/s of a 2048^3 GEMM through BLAS (`torch.mm`) and through `kernels.dense_linear`
     (oneDNN where it runs), of the head's GEMM tiles alone ([rows, hidden] x [hidden, VOCAB_TILE]
-    over the vocabulary, as the head runs them: on its packed tiles) and of the fused head
-    (`token_logprobs`, 4 slices); CPU time, best of `repeats + 2`. Fractions: fused head / the
+    over the vocabulary, as the tiled head runs them: on its packed tiles) and of the head as
+    `score` runs it (`token_logprobs` on 4 slices' rows: the fused C++ head on the CPU in fp32,
+    `kernels.head_stats`; else the tiles); CPU time, best of `repeats + 2`. Fractions: fused head / the
     faster 2048^3 rate (this machine's fp32 GEMM rate) and / the tile rate. With
     `--head-precision bf16` the tiles and the head are bf16 GEMMs (`kernels.bf16_linear`), still
     divided by the fp32 rate."""

@@ -23,7 +23,9 @@ weight kept as the checkpoint stores it (FP8 block-scaled or FP4 e2m1; its contr
 ``quant_matmul.py``), and :func:`dense_linear` (``dense.py``) is the vocabulary head's dense
 GEMM (fp32 on the CPU through oneDNN where it runs, else BLAS; :func:`pack_weight` keeps a
 weight in oneDNN's layout; :func:`bf16_linear` is its opt-in bf16 GEMM where the CPU has bf16
-units, :func:`bf16_available`).
+units, :func:`bf16_available`), and :func:`head_stats` (``cpu.py``) is the fused fp32 head on
+the CPU (per row: sum of 2^z, max z, the target's z over the vocabulary, on
+:func:`pack_head` panels; :func:`head_supported`).
 
 Tensors (no batch dim: concatenate tokens and offset indices into one concatenated kv):
 
@@ -58,11 +60,12 @@ from . import cpu as _cpu
 from . import flashmla as _flashmla
 from .dense import bf16_available, bf16_linear, dense_linear, pack_weight
 from .env import env_choice
+from .cpu import head_stats, head_supported, pack_head
 from .quant_matmul import quant_backends, quant_linear
 from .reference import check_shapes, sparse_mla_prefill_torch
 
 __all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "ENV_BACKEND", "quant_linear", "quant_backends", "dense_linear",
-           "pack_weight", "bf16_linear", "bf16_available"]
+           "pack_weight", "bf16_linear", "bf16_available", "head_stats", "head_supported", "pack_head"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
 _BACKENDS = ("auto", "torch", "cpu", "flashmla")

@@ -1,5 +1,6 @@
-"""CPU backend of :func:`dsv4batch.kernels.sparse_mla_prefill`: ``csrc/sparse_mla.cpp``, built on first use.
+"""The CPU's C++ kernels, built on first use: sparse attention and the fused vocabulary head.
 
+``csrc/sparse_mla.cpp`` is the ``"cpu"`` backend of :func:`dsv4batch.kernels.sparse_mla_prefill`.
 The torch reference (``reference.py``, the definition) runs each block of queries as batched
 GEMMs over the *union* of the block's slots: a gathered copy of those K rows, logits for slots a
 query does not use, masks and padding. At DSv4's long-context shapes that is 2-5x the useful
@@ -8,6 +9,11 @@ This kernel runs one query at a time over its own valid slots, reading K = V row
 ``kv``, with its heads' logits in a small scratch and the output accumulated in registers
 (module docstring of the source). Results equal the reference up to fp32 rounding (tests:
 ``tests/kernels/test_sparse_mla.py``), and a query's bits depend on its own inputs alone.
+
+``csrc/head.cpp`` (:func:`head_stats`) is the fused head: per row, sum 2^z, max z and the
+target's z over the whole vocabulary, the GEMM's logits kept in registers (no [n, tile] block
+written, read back, exp'd and summed as `model/head.vocab_tiles` does); the weight is kept in
+64-column panels (:func:`pack_head`, a second copy of it).
 
 Build: the C++ compiler named by ``$CXX``, else ``g++``/``c++``/``clang++`` on PATH, with
 ``FLAGS`` (``-march=native``: the library is for this CPU), into a cache folder keyed by the
@@ -34,7 +40,10 @@ from typing import Optional
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "sparse_mla.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "sparse_mla.cpp", CSRC / "head.cpp")  # compiled together into one library
+HEADERS = (CSRC / "common.h",)
+PANEL = 64  # vocabulary ids per `pack_head` panel (csrc/head.cpp's PW)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 ENV_CACHE = "DSV4BATCH_KERNEL_CACHE"
 VECTOR = 16  # floats per vector in the kernel: d_qk and d_v must be multiples of it
@@ -65,17 +74,18 @@ def _cpu_flags() -> str:
 
 
 def library_path(compiler: str) -> Path:
-    """The cached library for this source, FLAGS, compiler and CPU."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
-                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    return cache_dir() / f"sparse_mla-{key}.so"
+    """The cached library for these sources, FLAGS, compiler and CPU."""
+    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+                                     compiler.encode(), platform.machine().encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    return cache_dir() / f"dsv4batch-cpu-{key}.so"
 
 
 def _build(path: Path, compiler: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, "-o", str(tmp), *map(str, SOURCES)], check=True, capture_output=True,
                        text=True, timeout=BUILD_TIMEOUT_S)
         os.replace(tmp, path)
     finally:
@@ -90,12 +100,12 @@ def library() -> Optional[ctypes.CDLL]:
             try:
                 _state["lib"] = _load()
             except subprocess.CalledProcessError as e:
-                _state["error"] = f"compiling {SOURCE.name} failed: {(e.stderr or '').strip()[-500:]}"
+                _state["error"] = f"compiling {' '.join(s.name for s in SOURCES)} failed: {(e.stderr or '').strip()[-500:]}"
             except (OSError, subprocess.TimeoutExpired, RuntimeError) as e:
                 _state["error"] = f"{type(e).__name__}: {e}"
             if "error" in _state:
-                warnings.warn(f"dsv4batch: the cpu attention kernel is not available ({_state['error']}); "
-                              "attention on the CPU runs on the slower torch reference", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"dsv4batch: the CPU kernels are not available ({_state['error']}); attention "
+                              "and the head run on the slower torch paths", RuntimeWarning, stacklevel=2)
         return _state.get("lib")
 
 
@@ -115,6 +125,8 @@ def _load() -> ctypes.CDLL:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sparse_mla_fwd.argtypes = [ptr] * 8 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.sparse_mla_fwd.restype = ctypes.c_int
+    lib.head_stats.argtypes = [ptr, ptr] + [i64] * 3 + [ptr] * 4 + [ctypes.c_int]
+    lib.head_stats.restype = ctypes.c_int
     return lib
 
 
@@ -161,3 +173,39 @@ def sparse_mla_prefill_cpu(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
                                  out.data_ptr(), max_logits.data_ptr(), lse.data_ptr(), s_q, h_q, d_qk, d_v,
                                  s_kv, topk, float(sm_scale), torch.get_num_threads())
     return out.to(q.dtype), max_logits, lse
+
+
+def head_supported(weight: torch.Tensor) -> bool:
+    """Whether `head_stats` can run a head of this weight [V, K]: fp32 on the CPU, no grad, and
+    the library built (building it on the first call)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and not (weight.requires_grad and torch.is_grad_enabled()) and library() is not None)
+
+
+@torch.no_grad()
+def pack_head(weight: torch.Tensor) -> torch.Tensor:
+    """weight [V, K] fp32 -> panels [ceil(V / 64), K, 64]: panel p, row k holds weight[64p:64p + 64, k]
+    (ids past V zero; `head_stats` ignores them)."""
+    num, k = -(-weight.shape[0] // PANEL), weight.shape[1]
+    padded = torch.zeros(num * PANEL, k, dtype=torch.float32)
+    padded[:weight.shape[0]] = weight
+    return padded.view(num, PANEL, k).transpose(1, 2).contiguous()
+
+
+@torch.no_grad()
+def head_stats(xs: torch.Tensor, panels: torch.Tensor, vocab: int, targets: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """xs [n, K] fp32 (rows times log2 e), panels = `pack_head(weight)` with weight [vocab, K],
+    targets [n] int -> (sums [n]: sum over ids of 2^z, z = xs . weight[id]; peaks [n]: max z;
+    picked [n]: z at the target, 0 where it is not in [0, vocab)), all fp32. sums is inf when a
+    z passes 127 and misses terms below z = -126 (callers redo rows outside [2^-100, inf))."""
+    n, k = xs.shape
+    if panels.shape != (-(-vocab // PANEL), k, PANEL) or panels.dtype != torch.float32:
+        raise ValueError(f"panels {tuple(panels.shape)} {panels.dtype} are not pack_head of a [{vocab}, {k}] "
+                         "fp32 weight")
+    xs, tg = xs.contiguous().float(), targets.reshape(n).to(torch.int64).contiguous()
+    sums, peaks, picked = torch.empty(n), torch.empty(n), torch.zeros(n)
+    if n:
+        library().head_stats(xs.data_ptr(), panels.data_ptr(), n, k, vocab, tg.data_ptr(), sums.data_ptr(),
+                             peaks.data_ptr(), picked.data_ptr(), torch.get_num_threads())
+    return sums, peaks, picked

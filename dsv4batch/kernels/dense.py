@@ -35,8 +35,9 @@ bits and time), so a head's numbers would depend on the CPU. A [512, 256] x [256
 1.39 vs 2.68 ms on a 2-core Zen 4 EPYC; error against fp64 mean 0.0018 / max 0.014 at mean
 |logit| 0.64 (0.0015 / 0.0097 from the input rounding alone).
 
-``DSV4BATCH_CPU_GEMM`` = ``auto`` (default: oneDNN when it works), ``onednn`` (raise if it
-cannot run) or ``blas`` (always ``F.linear``).
+``DSV4BATCH_CPU_GEMM`` = ``auto`` (default: the fused C++ head, `cpu.head_stats`, where it
+builds, and oneDNN when it works for the tiles), ``fused`` (the fused head, raise if it cannot
+run), ``onednn`` (tiles on oneDNN, raise if it cannot run) or ``blas`` (tiles on ``F.linear``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from .env import env_choice
 
 ENV_CPU_GEMM = "DSV4BATCH_CPU_GEMM"
-CHOICES = ("auto", "onednn", "blas")
+CHOICES = ("auto", "fused", "onednn", "blas")
 _onednn_ok: bool | None = None  # None: not checked yet in this process
 _bf16_ok: bool | None = None
 

@@ -36,8 +36,9 @@ class EngineConfig:
     planner: "adaptive" (vLLM #45061), "fixed" (pre-PR: chunks of `prefill_chunk_size`),
         "dp" (min padded area for the given order) or "single" (one request per chunk).
     sort_by_length: order requests by length before packing steps (outputs keep input order).
-    logits_slice: rows of the fused vocabulary head computed at once (every slice has exactly this
+    logits_slice: rows of the tiled vocabulary head computed at once (every slice has exactly this
         many rows: one GEMM shape, batch-invariant; 512 measured 17% faster per row than 256 on CPU).
+        The fused CPU head (fp32, `head.fused_scores`) takes all rows at once and ignores it.
     attn_backend: "auto", "torch", "cpu" or "flashmla" (see `dsv4batch.kernels`; "auto" takes
         FlashMLA on a GPU that fits it, else the fused cpu kernel where it builds, else torch).
     head_precision: the vocabulary head's CPU GEMM: "fp32" (exact to fp32 rounding) or "bf16"

@@ -1,6 +1,10 @@
 """The vocabulary head's details: log p(target), whether the target is the argmax, and top-K.
 
-`tiled_logprobs` is the fused head `Engine.score` uses; `tiled_details` walks the vocabulary with
+`fused_scores` is the head `Engine.score` and `score_details` use on the CPU in fp32: the C++
+kernel `kernels.head_stats` (logits kept in registers, never written) over `PackedHead.panels`,
+with the same plain sum of 2 ** z and exact redo as below; a row's logprob and greedy flag.
+Elsewhere (bf16 head, CUDA, `DSV4BATCH_CPU_GEMM=onednn|blas`, vocabulary-parallel ranks, top-K)
+the tiles below run. `tiled_logprobs` is the tiled head; `tiled_details` walks the vocabulary with
 its own parts (`vocab_tiles`, `OnlineLogSumExp`: its logprobs are bit-identical to `score`'s) and also keeps, per row,
 the running top-K (value, id) pairs; the row max says whether the target is the argmax.
 Nothing larger than two [n, tile] blocks (one reduced while the next is computed) and [n, 2K]
@@ -21,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..kernels import bf16_available, bf16_linear, dense_linear, pack_weight
+from ..kernels import bf16_available, bf16_linear, dense_linear, head_stats, head_supported, pack_head, pack_weight
 from .config import HEAD_PRECISIONS
 from .parallel import SINGLE
 
@@ -143,6 +147,32 @@ def vocab_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = VOCAB_TILE, p
         yield i, v0, logits if is_scaled else logits.mul_(LOG2E)
 
 
+# Rows per exact redo (`fused_scores`): fixed, so a redone row's GEMM shape never depends on how
+# many of its batch-mates were redone with it.
+REDO_ROWS = 64
+
+
+def fused_scores(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, panels: torch.Tensor):
+    """x [n, hidden] fp32, weight [vocab, hidden] fp32, targets [n] int64, panels =
+    `PackedHead.panels(weight)` -> (log p(target) [n] fp32, is_max [n] bool: the target's logit
+    is the row's largest, ties included). One `kernels.head_stats` call; rows whose sum of 2 ** z
+    left [SUM_MIN, inf) are redone exactly (running max over `vocab_tiles`) in REDO_ROWS-row
+    slices. Every step is per row: batch-invariant."""
+    sums, peaks, picked = head_stats(x * LOG2E, panels, weight.shape[0], targets)
+    lse = sums.log2()
+    bad = (~torch.isfinite(sums) | (sums < SUM_MIN)).nonzero().flatten()
+    for a in range(0, bad.numel(), REDO_ROWS):
+        rows = bad[a:a + REDO_ROWS]
+        m = rows.numel()
+        padded, padded_targets = x.new_zeros(REDO_ROWS, x.shape[1]), targets.new_zeros(REDO_ROWS)
+        padded[:m], padded_targets[:m] = x[rows], targets[rows]
+        exact = OnlineLogSumExp(padded_targets, VOCAB_TILE)
+        for i, _, logits in vocab_tiles(padded, weight, VOCAB_TILE):
+            exact.add(i, logits)
+        lse[rows], picked[rows], peaks[rows] = exact.logsumexp()[:m], exact.picked[:m], exact.run_max[:m]
+    return ((picked - lse) * LN2).clamp_(max=0.0), picked >= peaks
+
+
 class PackedTiles(NamedTuple):
     """`PackedHead.tiles`: what `vocab_tiles` multiplies by on oneDNN."""
 
@@ -151,14 +181,38 @@ class PackedTiles(NamedTuple):
 
 
 class PackedHead:
-    """A head weight's `vocab_tiles` tiles in oneDNN's layout (`kernels.pack_weight`: a second
-    copy of the weight, in memory while the model is), built on first use and again when the
-    weight changes (another tensor, an in-place write, another tile, GEMM or precision). `tiles` is
-    None where the head's GEMM is not oneDNN's (other dtypes, CUDA, `DSV4BATCH_CPU_GEMM=blas`).
+    """A head weight's packed copies, each built on first use and again when the weight changes
+    (another tensor, an in-place write, another tile, GEMM or precision), kept while the model
+    is: `panels`, the fused head's (`kernels.pack_head`), and `tiles`, the `vocab_tiles` tiles in
+    oneDNN's layout (`kernels.pack_weight`; None where the head's GEMM is not oneDNN's: other
+    dtypes, CUDA, `DSV4BATCH_CPU_GEMM=blas`). Each is a second copy of the weight; the tiles are
+    built only where the tiled head runs (top-K, bf16, vocabulary-parallel ranks, onednn).
     Never pickled or copied: a copy starts empty."""
 
     def __init__(self):
         self._key, self._tiles = None, None
+        self._panel_key, self._panels = None, None
+
+    def panels(self, weight: torch.Tensor, precision: str = "fp32") -> torch.Tensor | None:
+        """weight [vocab, hidden] -> `kernels.pack_head` panels for `fused_scores` (kept, rebuilt
+        when the weight changes), or None where the tiles run instead: a bf16 head that runs
+        (`precision` "bf16" with bf16 units), a weight `kernels.head_supported` refuses, or
+        `DSV4BATCH_CPU_GEMM=onednn|blas`; RuntimeError when it is "fused" and the kernel cannot run."""
+        from ..kernels.dense import ENV_CPU_GEMM, cpu_gemm
+
+        choice = cpu_gemm()
+        if choice in ("onednn", "blas") or (precision == "bf16" and bf16_available()):
+            return None
+        if not head_supported(weight):
+            if choice == "fused":
+                raise RuntimeError(f"{ENV_CPU_GEMM}=fused, but the fused head cannot run this weight "
+                                   f"({weight.dtype} on {weight.device}) or its kernel is not built")
+            return None
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
+        if key != self._panel_key:
+            self._panel_key, self._panels = None, None  # the old copy goes before the new one is built
+            self._panels, self._panel_key = pack_head(weight.detach()), key
+        return self._panels
 
     def tiles(self, weight: torch.Tensor, tile: int, rows: int, precision: str = "fp32"):
         """weight [vocab, hidden] -> `PackedTiles`: one packed tile per `tile` rows (GEMMs of
@@ -184,7 +238,7 @@ class PackedHead:
         return {}
 
     def __setstate__(self, state):
-        self.__init__()
+        self.__init__()  # neither the tiles nor the panels travel
 
     def __deepcopy__(self, memo):
         return PackedHead()

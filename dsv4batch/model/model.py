@@ -11,7 +11,7 @@ from torch import nn
 
 from .attention import Attention
 from .config import layer_ratio
-from .head import VOCAB_TILE, PackedHead, sliced_details, tiled_logprobs
+from .head import VOCAB_TILE, PackedHead, fused_scores, sliced_details, tiled_logprobs
 from .layers import Linear, MoE, RMSNorm, Rope, hc_collapse, hc_mixes, hc_post, hc_pre, sigmoid
 from .parallel import SINGLE, check_split
 from .step import StepContext
@@ -74,7 +74,7 @@ class DSv4Model(nn.Module):
         self.layers = nn.ModuleList(Block(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.head = Linear(hidden, vocab_end - self.vocab_start)
-        self.packed_head = PackedHead()  # the head's tiles in oneDNN's layout (CPU fp32), built when first used
+        self.packed_head = PackedHead()  # the head's packed copies (CPU fp32), built when first used
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * hidden))
         self.hc_head_base = nn.Parameter(torch.zeros(hc))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
@@ -112,13 +112,17 @@ class DSv4Model(nn.Module):
         """hidden [n, hidden], targets [n] int64 -> log p(target) [n] fp32, `slice_rows` rows at a
         time (`precision`: `EngineConfig.head_precision`).
 
-        Every slice has exactly `slice_rows` rows (the last is zero-padded) and goes through
-        `tiled_logprobs`: one fixed shape means one GEMM/reduction strategy, so a row's logprob
-        does not depend on its step's size or on its slice-mates. Vocabulary-parallel (T > 1):
-        `head_details`' combination of the ranks' slices.
+        On the CPU in fp32: `head.fused_scores`, one call whose per-row arithmetic is fixed (no
+        slices). Else every slice has exactly `slice_rows` rows (the last is zero-padded) and goes
+        through `tiled_logprobs`: one fixed shape means one GEMM/reduction strategy, so a row's
+        logprob does not depend on its step's size or on its slice-mates. Vocabulary-parallel
+        (T > 1): `head_details`' combination of the ranks' slices.
         """
         if self.tp.size > 1:
             return self.head_details(hidden, targets, slice_rows, 0, precision)[0]
+        panels = self.packed_head.panels(self.head.weight, precision)
+        if panels is not None:
+            return fused_scores(hidden, self.head.weight, targets, panels)[0]
         step, n = slice_rows, hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
         padded = hidden.new_zeros(step, hidden.shape[1])
@@ -134,7 +138,20 @@ class DSv4Model(nn.Module):
     def head_details(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int, top_k: int,
                      precision: str = "fp32"):
         """`head.sliced_details` over this rank's vocabulary slice, combined across ranks:
-        (logprob [n] fp32, is_greedy [n] bool, top_ids [n, K] int64, top_logprobs [n, K] fp32)."""
+        (logprob [n] fp32, is_greedy [n] bool, top_ids [n, K] int64, top_logprobs [n, K] fp32).
+        Where `token_logprobs` runs `head.fused_scores` (one rank), logprob and is_greedy come
+        from it (the same bits as `token_logprobs`) and only a top-K (K > 0) walks the tiles."""
         weight = self.head.weight
+        panels = self.packed_head.panels(weight, precision) if self.tp.size == 1 else None
+        if panels is not None:
+            logprob, greedy = fused_scores(hidden, weight, targets, panels)
+            if top_k == 0:
+                n = hidden.shape[0]
+                return logprob, greedy, targets.new_zeros(n, 0), logprob.new_zeros(n, 0)
+            _, _, top_ids, top_logprobs = sliced_details(hidden, weight, targets, slice_rows, top_k, self.tp,
+                                                         self.vocab_start,
+                                                         self.packed_head.tiles(weight, VOCAB_TILE, slice_rows,
+                                                                                precision))
+            return logprob, greedy, top_ids, top_logprobs
         return sliced_details(hidden, weight, targets, slice_rows, top_k, self.tp, self.vocab_start,
                               self.packed_head.tiles(weight, VOCAB_TILE, slice_rows, precision))

@@ -15,40 +15,7 @@
 // NULL; out [s_q, h, d_v]; maxl, lse [s_q, h]. d and d_v are multiples of 16 (the caller checks).
 // A slot is invalid when idx < 0, idx >= s_kv or j >= len: its row is never read. A query with
 // no valid slot gets out 0, maxl -inf, lse +inf. sink -inf is exactly no sink, +inf gives out 0.
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <cstdlib>
-#include <thread>
-#include <vector>
-
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int v16i __attribute__((vector_size(64)));
-
-// the sum of a vector's 16 lanes (a fixed tree: every call rounds alike)
-static inline float hsum(v16 v) {
-    v16 t = v + __builtin_shuffle(v, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    t = t + __builtin_shuffle(t, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    t = t + __builtin_shuffle(t, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    return t[0] + t[1];
-}
-
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-// e^x for x <= 0 lanes (softmax inputs; -inf -> 0): Cody-Waite reduction x = n ln2 + f, |f| <= ln2 / 2,
-// e^f by its degree-7 Taylor polynomial (error below 1e-8 relative), 2^n by the exponent bits.
-static inline v16 vexp(v16 x) {
-    const v16 lo = splat(-87.0f);
-    v16i under = x < lo;
-    x = under ? lo : x;
-    v16 n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
-    v16 f = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
-    v16 p = splat(1.0f / 5040);
-    p = p * f + splat(1.0f / 720); p = p * f + splat(1.0f / 120); p = p * f + splat(1.0f / 24);
-    p = p * f + splat(1.0f / 6); p = p * f + splat(0.5f); p = p * f + splat(1.0f); p = p * f + splat(1.0f);
-    v16i bits = (v16i)p + (__builtin_convertvector(n, v16i) << 23);
-    return under ? splat(0.0f) : (v16)bits;
-}
+#include "common.h"
 
 struct Args {
     const float *q, *kv, *sink; const int32_t *idx, *len;
@@ -219,21 +186,10 @@ extern "C" int sparse_mla_fwd(const float *q, const float *kv, const int32_t *id
                               const float *sink, float *out, float *maxl, float *lse, int64_t s_q, int64_t h,
                               int64_t d, int64_t d_v, int64_t s_kv, int64_t topk, float scale, int threads) {
     Args a{q, kv, sink, idx, len, out, maxl, lse, s_q, h, d, d_v, s_kv, topk, scale};
-    if (threads < 1) threads = 1;
-    auto work = [&](int t) {
+    run_split(s_q, threads, [&](int64_t i0, int64_t i1) {
         std::vector<int64_t> rows(topk > 0 ? topk : 1);
         std::vector<float> p((topk > 0 ? topk : 1) * h);
-        for (int64_t i = s_q * t / threads; i < s_q * (t + 1) / threads; i++) one_query(a, i, rows.data(), p.data());
-    };
-    std::vector<std::thread> pool;
-    for (int t = 1; t < threads; t++) {
-        try {
-            pool.emplace_back(work, t);
-        } catch (...) {  // no thread to be had: this one does that range too
-            work(t);
-        }
-    }
-    work(0);
-    for (auto &th : pool) th.join();
+        for (int64_t i = i0; i < i1; i++) one_query(a, i, rows.data(), p.data());
+    });
     return 0;
 }
