@@ -16,9 +16,11 @@ indexer's share and the peak resident memory of the call (VmHWM after resetting 
 with `--compare` also each case's `ceiling_speedup`: the end-to-end ratio our decoder stack
 would reach with the head's GEMM at that rate, and `floor_speedup`: the ratio with every GEMM
 (the stack's counted mm/bmm FLOPs, `stack_gflop`, and the head's) at that rate (`add_ceilings`).
-`--attn`: the attention kernel's backends on each case, in one process: the torch reference
-(`attn_backend="torch"`) vs the fused cpu kernel (`"cpu"`), end to end, interleaved, best of
-`--repeats`: tokens/s, speedup and the logprobs' absolute difference (`attn_case`).
+`--kernels`: the C++ CPU kernels on each case, in one process, end to end, interleaved, best of
+`--repeats` (`kernels_case`): `tiled` = torch attention (`attn_backend="torch"`) and the tiled
+head (`DSV4BATCH_CPU_GEMM=onednn`), the engine before these kernels; `attn` = the fused cpu
+attention kernel and the tiled head; `fused` = both C++ kernels (the default): tokens/s,
+speedups over `tiled` and the logprobs' absolute difference from it (`bench/variants.py`).
 `--attn-backend`: our engine's `EngineConfig.attn_backend` for every other measurement.
 `--bf16`: fp32 vs the same model cast to bfloat16 (CPU AMX / AVX512-BF16 GEMMs accumulate in
 fp32) and vs the fp32 model with a bf16 head (`head_precision="bf16"`) on each case: tokens/s and
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 from bench.common import best_of, emit, random_prompts
+from bench.variants import bf16_case, kernels_case
 
 TYPE = {1: "swa", 4: "c4", 128: "c128"}
 
@@ -184,49 +187,6 @@ def compare_case(ours, hf, batch, repeats: int) -> dict:
             "layers_speedup": round(t["hf_layers"] / t["ours_layers"], 2)}
 
 
-def attn_case(ours, batch, repeats: int) -> dict:
-    """One engine's model with the torch reference kernel vs the fused cpu kernel on one batch:
-    tok/s of each (interleaved, best of `repeats`), the speedup and |logprob difference|."""
-    import dataclasses
-
-    from dsv4batch.model import Engine
-
-    engines = {k: Engine(ours.model, dataclasses.replace(ours.config, attn_backend=k)) for k in ("torch", "cpu")}
-    scores = {k: np.concatenate(e.score(batch)[0]).astype(np.float64) for k, e in engines.items()}
-    t = {k: float("inf") for k in engines}
-    for _ in range(repeats):
-        for k, e in engines.items():
-            t[k] = min(t[k], best_of(lambda e=e: e.score(batch), 1))
-    tokens, diff = sum(len(ids) - 1 for ids in batch), np.abs(scores["torch"] - scores["cpu"])
-    return {"tokens": tokens, "torch_tok_s": round(tokens / t["torch"], 1), "cpu_tok_s": round(tokens / t["cpu"], 1),
-            "speedup": round(t["torch"] / t["cpu"], 2), "max_abs_diff": float(diff.max()),
-            "mean_abs_diff": float(diff.mean())}
-
-
-def bf16_case(ours, batch, repeats: int) -> dict:
-    """fp32 engine vs a bfloat16 copy of its model, and vs its own model with a bf16 head
-    (`head_precision="bf16"`), on one batch: tok/s and logprob error against fp32."""
-    import copy
-    import dataclasses
-
-    from dsv4batch.model import Engine
-
-    fp32 = Engine(ours.model, dataclasses.replace(ours.config, head_precision="fp32"))
-    low = Engine(copy.deepcopy(ours.model).to(torch.bfloat16), fp32.config)
-    head = Engine(ours.model, dataclasses.replace(ours.config, head_precision="bf16"))
-    engines = {"fp32": fp32, "bf16": low, "head_bf16": head}
-    scores = {k: np.concatenate(e.score(batch)[0]).astype(np.float64) for k, e in engines.items()}
-    times = {k: best_of(lambda e=e: e.score(batch), repeats) for k, e in engines.items()}
-    tokens = sum(len(ids) - 1 for ids in batch)
-    out = {"tokens": tokens, "fp32_tok_s": round(tokens / times["fp32"], 1)}
-    for k, prefix in (("bf16", ""), ("head_bf16", "head_bf16_")):
-        diff = np.abs(scores["fp32"] - scores[k])
-        out.update({f"{k}_tok_s": round(tokens / times[k], 1), f"{k}_speedup": round(times["fp32"] / times[k], 2),
-                    f"{prefix}max_abs_diff": round(float(diff.max()), 4),
-                    f"{prefix}mean_abs_diff": round(float(diff.mean()), 5)})
-    return out
-
-
 def rss_mib(field: str) -> float:
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -351,8 +311,8 @@ def main(argv):
     parser.add_argument("--bf16", action="store_true", help="fp32 vs a bfloat16 model and vs a bf16 head: "
                         "speed and logprob error")
     parser.add_argument("--head-precision", default="fp32", help="our engine's EngineConfig.head_precision")
-    parser.add_argument("--attn", action="store_true", help="torch reference vs fused cpu attention kernel: "
-                        "speed and logprob difference")
+    parser.add_argument("--kernels", action="store_true", help="the engine without / with the C++ CPU kernels "
+                        "(attention, head): speed and logprob difference")
     parser.add_argument("--attn-backend", default="auto", help="our engine's EngineConfig.attn_backend")
     args = parser.parse_args(argv)
     from dsv4batch.model import EngineConfig
@@ -371,8 +331,8 @@ def main(argv):
             ours, hf = build_engine(model_name, config), None
         for case in args.cases.split(",") if args.cases else []:
             batch = random_prompts(case_lengths(case), ours.model.config.vocab_size, seed=len(case))
-            if args.attn:
-                out[case] = attn_case(ours, batch, args.repeats)
+            if args.kernels:
+                out[case] = kernels_case(ours, batch, args.repeats)
             elif args.bf16:
                 out[case] = bf16_case(ours, batch, args.repeats)
             else:

@@ -64,7 +64,7 @@ from .cpu import head_stats, head_supported, pack_head
 from .quant_matmul import quant_backends, quant_linear
 from .reference import check_shapes, sparse_mla_prefill_torch
 
-__all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "ENV_BACKEND", "quant_linear", "quant_backends", "dense_linear",
+__all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "requested_backend", "ENV_BACKEND", "quant_linear", "quant_backends", "dense_linear",
            "pack_weight", "bf16_linear", "bf16_available", "head_stats", "head_supported", "pack_head"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
@@ -90,11 +90,16 @@ def attention_backend(backend: str, device, dtype: torch.dtype, d_qk: int) -> st
     return _resolve(backend, torch.empty(0, 1, d_qk, device=device, dtype=dtype), None)
 
 
-def _resolve(backend: str, q: torch.Tensor, d_v: Optional[int]) -> str:
+def requested_backend(backend: str) -> str:
+    """What a call with ``backend`` asks for: ``DSV4BATCH_ATTN_BACKEND`` in place of ``"auto"``
+    when set (ValueError for a name that is not a backend)."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = env_choice(ENV_BACKEND, _BACKENDS) or "auto"
+    return (env_choice(ENV_BACKEND, _BACKENDS) or "auto") if backend == "auto" else backend
+
+
+def _resolve(backend: str, q: torch.Tensor, d_v: Optional[int]) -> str:
+    backend = requested_backend(backend)
     if backend == "auto":
         if _flashmla.unsupported_reason(q, d_v) is None:
             return "flashmla"

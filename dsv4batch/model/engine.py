@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..kernels import attention_backend, bf16_available
+from ..kernels import attention_backend, bf16_available, requested_backend
 from .attention import WorkspacePool
 from .config import EngineConfig
 from .head import TokenScores
@@ -90,9 +90,17 @@ class Engine:
     @property
     def attn_kernel(self) -> str:
         """The sparse attention kernel this engine's steps run: "cpu", "torch" or "flashmla"
-        (`config.attn_backend` resolved for the model's device, dtype and head dim)."""
-        return attention_backend(self.config.attn_backend, self.device, self.model.head.weight.dtype,
-                                 self.model.config.head_dim)
+        (`config.attn_backend` or `DSV4BATCH_ATTN_BACKEND` resolved for the model's device, dtype
+        and head dim); "<name> (unavailable)" for a forced one that cannot run here, or a note that
+        the variable is invalid (every step then raises, and the pipeline's fault handling
+        answers those rows with the error)."""
+        try:
+            asked = requested_backend(self.config.attn_backend)
+            return attention_backend(asked, self.device, self.model.head.weight.dtype, self.model.config.head_dim)
+        except RuntimeError:  # forced and unusable: reported, not raised (an actor must still start)
+            return f"{asked} (unavailable)"
+        except ValueError:  # DSV4BATCH_ATTN_BACKEND names no backend: the steps raise it
+            return "invalid DSV4BATCH_ATTN_BACKEND"
 
     def validate(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Requests as int64 arrays; `ValueError` naming the first empty, out-of-vocab or too long one."""

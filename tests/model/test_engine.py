@@ -62,8 +62,12 @@ def test_attn_kernel_names_the_backend_that_runs(tiny, monkeypatch):
     monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
     assert tiny.attn_kernel == "cpu"
     assert Engine(tiny.model, EngineConfig(attn_backend="torch")).attn_kernel == "torch"
-    with pytest.raises(RuntimeError, match="flashmla"):
-        Engine(tiny.model, EngineConfig(attn_backend="flashmla")).attn_kernel
+    assert Engine(tiny.model, EngineConfig(attn_backend="flashmla")).attn_kernel == "flashmla (unavailable)"
+    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "torch")
+    assert tiny.attn_kernel == "torch"
+    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "triton")
+    assert tiny.attn_kernel == "invalid DSV4BATCH_ATTN_BACKEND"
+    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND")
     monkeypatch.setattr(cpu_mod, "_state", {"error": "RuntimeError: no C++ compiler"})
     assert tiny.attn_kernel == "torch"
     assert ATTN_BACKENDS == _BACKENDS
