@@ -58,14 +58,15 @@ import torch
 
 from . import cpu as _cpu
 from . import flashmla as _flashmla
+from .cpu import head_stats, head_supported, pack_head
 from .dense import bf16_available, bf16_linear, dense_linear, pack_weight
 from .env import env_choice
-from .cpu import head_stats, head_supported, pack_head
 from .quant_matmul import quant_backends, quant_linear
 from .reference import check_shapes, sparse_mla_prefill_torch
 
-__all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "requested_backend", "ENV_BACKEND", "quant_linear", "quant_backends", "dense_linear",
-           "pack_weight", "bf16_linear", "bf16_available", "head_stats", "head_supported", "pack_head"]
+__all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "requested_backend", "ENV_BACKEND",
+           "quant_linear", "quant_backends", "dense_linear", "pack_weight", "bf16_linear", "bf16_available",
+           "head_stats", "head_supported", "pack_head"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
 _BACKENDS = ("auto", "torch", "cpu", "flashmla")

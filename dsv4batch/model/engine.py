@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..kernels import attention_backend, bf16_available, requested_backend
+from ..kernels import ENV_BACKEND, attention_backend, bf16_available, requested_backend
 from .attention import WorkspacePool
 from .config import EngineConfig
 from .head import TokenScores
@@ -100,7 +100,7 @@ class Engine:
         except RuntimeError:  # forced and unusable: reported, not raised (an actor must still start)
             return f"{asked} (unavailable)"
         except ValueError:  # DSV4BATCH_ATTN_BACKEND names no backend: the steps raise it
-            return "invalid DSV4BATCH_ATTN_BACKEND"
+            return f"invalid {ENV_BACKEND}"
 
     def validate(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Requests as int64 arrays; `ValueError` naming the first empty, out-of-vocab or too long one."""
