@@ -13,7 +13,7 @@ optional extra ``gpu``).  Everything else calls :func:`sparse_mla_prefill`, whic
   out within abs 8e-4 / rel 3/128, max_logits and lse within about 1e-6 relative).
 
 Backend choice: ``backend="auto"`` takes FlashMLA when it imported and the call fits it, else
-the cpu kernel when the call fits it and it builds, else torch; the environment variable
+the cpu kernel when the call fits it and it builds, else torch (the Lightning Indexer follows the same request: :func:`indexer_topk`); the environment variable
 ``DSV4BATCH_ATTN_BACKEND`` (``auto``/``torch``/``cpu``/``flashmla``) replaces ``"auto"`` when
 set.  ``"torch"`` / ``"cpu"`` / ``"flashmla"`` force a backend; forcing one where it cannot run
 raises ``RuntimeError`` with the reason.
@@ -25,7 +25,9 @@ GEMM (fp32 on the CPU through oneDNN where it runs, else BLAS; :func:`pack_weigh
 weight in oneDNN's layout; :func:`bf16_linear` is its opt-in bf16 GEMM where the CPU has bf16
 units, :func:`bf16_available`), and :func:`head_stats` (``cpu.py``) is the fused fp32 head on
 the CPU (per row: sum of 2^z, max z, the target's z over the vocabulary, on
-:func:`pack_head` panels; :func:`head_supported`).
+:func:`pack_head` panels; :func:`head_supported`), and :func:`indexer_topk` is the Lightning
+Indexer's top-k (contract and torch definition in ``indexer.py``; the cpu kernel where the
+attention backend asked for allows it).
 
 Tensors (no batch dim: concatenate tokens and offset indices into one concatenated kv):
 
@@ -61,12 +63,13 @@ from . import flashmla as _flashmla
 from .cpu import head_stats, head_supported, pack_head
 from .dense import bf16_available, bf16_linear, dense_linear, pack_weight
 from .env import env_choice
+from .indexer import indexer_topk_torch
 from .quant_matmul import quant_backends, quant_linear
 from .reference import check_shapes, sparse_mla_prefill_torch
 
 __all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "requested_backend", "ENV_BACKEND",
            "quant_linear", "quant_backends", "dense_linear", "pack_weight", "bf16_linear", "bf16_available",
-           "head_stats", "head_supported", "pack_head"]
+           "head_stats", "head_supported", "pack_head", "indexer_topk"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
 _BACKENDS = ("auto", "torch", "cpu", "flashmla")
@@ -144,3 +147,20 @@ def sparse_mla_prefill(
         return _cpu.sparse_mla_prefill_cpu(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)
     return sparse_mla_prefill_torch(q, kv, indices, sm_scale, attn_sink, topk_length, d_v,
                                     query_blocks=query_blocks)
+
+
+def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_lo: torch.Tensor, visible: torch.Tensor,
+                 width: int, blocks, *, backend: str = "auto") -> torch.Tensor:
+    """The Lightning Indexer's picks [s, width] int64 (shapes, meaning and edge cases:
+    ``dsv4batch/kernels/indexer.py``; blocks: the torch path's query blocks, see
+    :func:`indexer_topk_torch`). ``backend`` is the attention backend asked for (as
+    :func:`sparse_mla_prefill`'s): ``"cpu"``, or ``"auto"`` when q is on the CPU and the cpu
+    kernels build, runs ``csrc/indexer.cpp``; anything else the torch definition. Forcing
+    ``"cpu"`` where it cannot run raises ``RuntimeError``."""
+    asked = requested_backend(backend)
+    if asked in ("auto", "cpu") and _cpu.indexer_supported(q):
+        return _cpu.indexer_topk_cpu(q, w, keys, key_lo, visible, width)
+    if asked == "cpu":
+        reason = f"q is on {q.device}" if q.device.type != "cpu" else f"it could not be built ({_cpu.build_error()})"
+        raise RuntimeError(f"cpu backend requested but the cpu indexer kernel is unavailable: {reason}")
+    return indexer_topk_torch(q, w, keys, key_lo, visible, width, blocks)

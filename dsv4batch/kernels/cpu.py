@@ -15,6 +15,11 @@ target's z over the whole vocabulary, the GEMM's logits kept in registers (no [n
 written, read back, exp'd and summed as `model/head.vocab_tiles` does); the weight is kept in
 64-column panels (:func:`pack_head`, a second copy of it).
 
+``csrc/indexer.cpp`` (:func:`indexer_topk_cpu`) is the Lightning Indexer's top-k (contract and
+definition: ``indexer.py``): one query at a time over its own keys, 48 keys x 8 heads of dot
+products in registers, the weighted ReLU sum over heads folded in there, and a running top-k:
+no [heads, queries, keys] block, no mask, no full sort.
+
 Build: the C++ compiler named by ``$CXX``, else ``g++``/``c++``/``clang++`` on PATH, with
 ``FLAGS`` (``-march=native``: the library is for this CPU), into a cache folder keyed by the
 source, the flags, the compiler and this CPU's flags: ``$DSV4BATCH_KERNEL_CACHE``, else
@@ -41,11 +46,12 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "sparse_mla.cpp", CSRC / "head.cpp")  # compiled together into one library
+SOURCES = (CSRC / "sparse_mla.cpp", CSRC / "head.cpp", CSRC / "indexer.cpp")  # compiled together into one library
 HEADERS = (CSRC / "common.h",)
 PANEL = 64  # vocabulary ids per `pack_head` panel (csrc/head.cpp's PW)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 ENV_CACHE = "DSV4BATCH_KERNEL_CACHE"
+INDEXER_TILE = 48  # keys per tile of csrc/indexer.cpp (KW): zero columns kept past the keys
 VECTOR = 16  # floats per vector in the kernel: d_qk and d_v must be multiples of it
 BUILD_TIMEOUT_S = 300
 
@@ -127,6 +133,8 @@ def _load() -> ctypes.CDLL:
     lib.sparse_mla_fwd.restype = ctypes.c_int
     lib.head_stats.argtypes = [ptr, ptr] + [i64] * 3 + [ptr] * 4 + [ctypes.c_int]
     lib.head_stats.restype = ctypes.c_int
+    lib.indexer_topk.argtypes = [ptr] * 5 + [i64] * 5 + [ptr, ctypes.c_int]
+    lib.indexer_topk.restype = ctypes.c_int
     return lib
 
 
@@ -209,3 +217,30 @@ def head_stats(xs: torch.Tensor, panels: torch.Tensor, vocab: int, targets: torc
         library().head_stats(xs.data_ptr(), panels.data_ptr(), n, k, vocab, tg.data_ptr(), sums.data_ptr(),
                              peaks.data_ptr(), picked.data_ptr(), torch.get_num_threads())
     return sums, peaks, picked
+
+
+def indexer_supported(q: torch.Tensor) -> bool:
+    """Whether `indexer_topk_cpu` can run for queries q: on the CPU, and the library built."""
+    return q.device.type == "cpu" and library() is not None
+
+
+@torch.no_grad()
+def indexer_topk_cpu(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_lo: torch.Tensor,
+                     visible: torch.Tensor, width: int) -> torch.Tensor:
+    """The indexer's top-k (shapes and meaning: ``dsv4batch/kernels/indexer.py``) -> picks
+    [s, width] int64. ValueError where a query's keys run past ``keys``."""
+    s, h, d = q.shape
+    e = keys.shape[0]
+    lo = key_lo.reshape(s).to(torch.int64).contiguous()
+    n = visible.reshape(s).to(torch.int64).clamp(min=0).contiguous()
+    if s and (int(lo.min()) < 0 or int((lo + n).max()) > e):
+        raise ValueError(f"indexer queries see keys outside keys [{e}, {d}]")
+    out = torch.empty(s, width, dtype=torch.int64)
+    if s and width:
+        # the keys transposed ([d, e] rows of 48-key vectors), with a zero tile past the last key
+        kt = torch.zeros(d, e + INDEXER_TILE, dtype=torch.float32)
+        kt[:, :e] = keys.t()
+        qf, wf = q.contiguous().float(), w.reshape(s, h).contiguous().float()
+        library().indexer_topk(qf.data_ptr(), wf.data_ptr(), kt.data_ptr(), lo.data_ptr(), n.data_ptr(), s, h, d,
+                               kt.shape[1], width, out.data_ptr(), torch.get_num_threads())
+    return out

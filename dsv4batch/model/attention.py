@@ -103,7 +103,7 @@ class Attention(nn.Module):
             ws = ctx.pool.take(chunk.e - chunk.s, chunk.M, self.head_dim, table.dtype, table.device)
             torch.index_select(table, 0, chunk.ws_index, out=ws.view(-1, self.head_dim))
             if self.indexer is not None:
-                indices, lens = self.sparse_indices(chunk, lay, idx_table, iq, iw)
+                indices, lens = self.sparse_indices(chunk, lay, idx_table, iq, iw, backend)
             else:
                 indices, lens = lay.static_indices(ci, chunk)
             o, _, _ = sparse_mla_prefill(q[chunk.q0:chunk.q1], ws.view(-1, 1, self.head_dim), indices.unsqueeze(1),
@@ -120,13 +120,13 @@ class Attention(nn.Module):
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
         return self.tp.all_reduce(self.wo_b(grouped_linear(grouped, w).flatten(1)))  # row-parallel wo_b
 
-    def sparse_indices(self, chunk, lay, idx_table, iq, iw):
+    def sparse_indices(self, chunk, lay, idx_table, iq, iw, backend: str = "auto"):
         """CSA combined indices for one chunk: each query's indexer top-k, then its window.
 
         chunk: `ChunkLayout` of requests [s, e), queries [q0, q1) (s_q = q1 - q0 rows);
         lay: the step's ratio-4 `RatioLayout`; idx_table [lay.entries_end, index_head_dim]: indexer
         keys, rows aligned with the table's entry rows; iq [T, index_n_heads, index_head_dim] fp32
-        and iw [T, index_n_heads] fp32 from `Indexer.queries`.
+        and iw [T, index_n_heads] fp32 from `Indexer.queries`; backend: the attention backend asked for.
         Returns indices [s_q, K + window] int32 into the flattened workspace [(e - s) * M] (valid
         slots first, -1 padded), K = min(index_topk, max(N, 1)), and topk_length [s_q] int32.
         """
@@ -134,7 +134,7 @@ class Attention(nn.Module):
         keys = idx_table.index_select(0, chunk.key_index).float()  # the chunk's keys, request by request
         blocks = chunk.query_slices(INDEXER_BLOCK_ELEMS // self.indexer.num_heads)
         comp = self.indexer.select(iq[chunk.q0:chunk.q1], iw[chunk.q0:chunk.q1], keys, chunk.key_lo,
-                                   chunk.comp_len, blocks, width)
+                                   chunk.comp_len, blocks, width, backend)
         comp_len = chunk.comp_len.clamp(max=self.indexer.topk)
         return combine(comp, comp_len, chunk.row_base, chunk.win_base, chunk.win_len, self.window)
 

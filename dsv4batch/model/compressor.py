@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import MIN_ROWS, Linear, RMSNorm, Rope, pad_rows
+from ..kernels import indexer_topk
+from .layers import Linear, RMSNorm, Rope
 
 
 class Compressor(nn.Module):
@@ -73,64 +74,15 @@ class Indexer(nn.Module):
         return q, self.weights_proj(x).float() * self.num_heads ** -0.5
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_lo: torch.Tensor,
-               visible: torch.Tensor, blocks, width: int) -> torch.Tensor:
+               visible: torch.Tensor, blocks, width: int, backend: str = "auto") -> torch.Tensor:
         """One chunk's queries vs its keys -> [s, width] int64 request-local entry ids.
 
-        q [s, h, d] and w [s, h] fp32: the chunk's queries; keys [E, d] fp32: the chunk's entries,
-        request after request; key_lo [s]: where a query's request starts in `keys`; visible [s]:
-        entries it sees ((p + 1) // r, its request's first ones); blocks [(a, b, k_lo, k_hi)]:
-        query rows [a, b) whose requests' keys are keys[k_lo:k_hi] (`ChunkLayout.query_slices`).
-        Per block: one GEMM over the block's keys, a mask keeping each query's visible keys of its
-        own request, one top-k. Valid picks first (sorted by score), min(topk, visible) of them;
-        later slots are garbage, masked by topk_length. Exact ties go to the lower entry id.
-
-        Batch invariance: a block's key count depends on its block-mates, so every step here must
-        give a query the same bits whatever that count: GEMMs on >= MIN_ROWS rows and columns
-        (BLAS rounds a dot product the same way then), the head sum as elementwise multiply-adds
-        (reductions and [1, h] x [h, E] products change strategy with E), and a top-k whose ties
-        are broken by column (`canonical_topk`: torch.topk's own order depends on the width).
-        """
-        out = torch.zeros(q.shape[0], width, dtype=torch.long, device=q.device)
-        keys_t = torch.cat([keys, keys.new_zeros(MIN_ROWS, keys.shape[1])]).t()
-        w = w * self.dim ** -0.5
-        for a, b, k_lo, k_hi in blocks:
-            k = min(width, k_hi - k_lo)
-            if k == 0:
-                continue
-            n, cols = b - a, max(k_hi - k_lo, MIN_ROWS)  # columns past k_hi are masked below
-            per_head = torch.matmul(pad_rows(q[a:b]).transpose(0, 1), keys_t[:, k_lo:k_lo + cols])
-            per_head = per_head[:, :n].relu_()                                        # [h, n, E]
-            scores = per_head[0] * w[a:b, :1]
-            for head in range(1, per_head.shape[0]):
-                scores.addcmul_(per_head[head], w[a:b, head:head + 1])
-            lo = key_lo[a:b, None] - k_lo  # the query's request's first key, block-local
-            col = torch.arange(cols, device=q.device)
-            scores.masked_fill_((col < lo) | (col >= lo + visible[a:b, None]), float("-inf"))
-            out[a:b, :k] = (canonical_topk(scores, k) - lo).clamp_(min=0)
-        return out
-
-
-def canonical_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k column ids [n, k] of scores [n, E], best first, equal scores by lower column.
-
-    torch.topk orders equal values by a width-dependent algorithm; its answer is canonical only
-    when the k + 1 best values of a row are distinct. Rows where they are not (rare: an exact
-    tie, e.g. every head's ReLU 0) are redone over `tie_free_keys`.
-    """
-    vals, picks = scores.topk(min(k + 1, scores.shape[1]), dim=-1)
-    tied = ((vals[:, :-1] == vals[:, 1:]) & torch.isfinite(vals[:, :-1])).any(1).nonzero().squeeze(1)
-    if tied.numel():
-        picks[tied] = tie_free_keys(scores[tied]).topk(picks.shape[1], dim=-1).indices
-    return picks[:, :k]
-
-
-def tie_free_keys(scores: torch.Tensor) -> torch.Tensor:
-    """fp32 scores [n, E] -> int64 keys [n, E] in the same order, ties broken by lower column.
-
-    The float's bits as int32 (negative values mirrored so that integer order = float order;
-    + 0.0 folds -0.0 into +0.0), times 2**32, minus the column: unique, so torch.topk's result
-    does not depend on E or on where equal scores sit.
-    """
-    bits = (scores + 0.0).view(torch.int32)
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    return bits * (1 << 32) - torch.arange(scores.shape[1], device=scores.device)
+        q [s, h, d] and w [s, h] fp32: the chunk's queries (`queries`); keys [E, d] fp32: the
+        chunk's entries, request after request; key_lo [s]: where a query's request starts in
+        `keys`; visible [s]: entries it sees ((p + 1) // r, its request's first ones); blocks
+        [(a, b, k_lo, k_hi)]: query rows [a, b) whose requests' keys are keys[k_lo:k_hi]
+        (`ChunkLayout.query_slices`, for the torch path). Valid picks first (sorted by score),
+        min(topk, visible) of them; later slots are garbage, masked by topk_length. Exact ties go
+        to the lower entry id. The contract: `dsv4batch.kernels.indexer`; backend: the attention
+        backend asked for (the cpu kernel or the torch definition)."""
+        return indexer_topk(q, w * self.dim ** -0.5, keys, key_lo, visible, width, blocks, backend=backend)

@@ -12,24 +12,12 @@ from torch import nn
 
 from ..kernels import quant_linear
 from ..kernels.quant_reference import dequantize_into, stored_shapes
+from ..kernels.rows import pad_rows
 from .parallel import SINGLE
 
 
-# BLAS takes other code paths (GEMV, split-K) for a handful of rows, and their rounding differs:
-# a token's result would then depend on how many tokens share its step. Padding every GEMM to at
-# least MIN_ROWS rows keeps each row's arithmetic identical whatever the batch (batch invariance).
-MIN_ROWS = 16
-
-
-def pad_rows(x: torch.Tensor, rows: int = MIN_ROWS) -> torch.Tensor:
-    """x [n, ...] -> [max(n, rows), ...] (zero rows appended when n < rows)."""
-    if x.shape[0] >= rows:
-        return x
-    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear on x [n, in] -> [n, out], computed on at least MIN_ROWS rows."""
+    """F.linear on x [n, in] -> [n, out], computed on at least `kernels.rows.MIN_ROWS` rows."""
     return F.linear(pad_rows(x), weight)[: x.shape[0]]
 
 
@@ -40,7 +28,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """Bias-free nn.Linear over [n, in] rows that pads small batches (see MIN_ROWS)."""
+    """Bias-free nn.Linear over [n, in] rows that pads small batches (see `kernels.rows`)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)

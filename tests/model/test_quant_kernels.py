@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from dsv4batch.kernels import quant_backends, quant_cuda, quant_linear, quant_reference
-from dsv4batch.model.layers import MIN_ROWS, QuantLinear
+from dsv4batch.kernels.rows import MIN_ROWS
+from dsv4batch.model.layers import QuantLinear
 from tests.model.test_quant_layout import quantize_fp4, quantize_fp8
 
 GEN = torch.Generator().manual_seed(7)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4batch.model import TINY, Engine, EngineConfig
-from dsv4batch.model.compressor import canonical_topk, tie_free_keys
+from dsv4batch.kernels.indexer import canonical_topk, tie_free_keys
 from dsv4batch.model.layout import RatioLayout
 from dsv4batch.model.head import tiled_logprobs
 from dsv4batch.model.layers import sinkhorn_
@@ -46,7 +46,8 @@ def test_fused_head_equals_log_softmax_and_ignores_batch_mates():
         assert tiled_logprobs(mixed, weight, mixed_targets)[dst] == got[src]
 
 
-def test_batched_indexer_matches_per_request_scoring(tiny):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_batched_indexer_matches_per_request_scoring(tiny, backend):
     attn = next(layer.attn for layer in tiny.model.layers if layer.attn.indexer is not None)
     indexer, gen = attn.indexer, torch.Generator().manual_seed(1)
     starts, ends = np.array([0, 0, 100, 0]), np.array([90, 7, 260, 33])  # request 2 continues
@@ -66,7 +67,7 @@ def test_batched_indexer_matches_per_request_scoring(tiny):
         seen = (chunk.key_lo + chunk.comp_len).numpy()
         # a block scores up to the last key one of its queries sees, not its requests' ends
         assert [k_hi for _, _, _, k_hi in blocks] == [int(seen[a:b].max()) for a, b, _, _ in blocks]
-        picks = indexer.select(iq, iw, keys, chunk.key_lo, chunk.comp_len, blocks, width)
+        picks = indexer.select(iq, iw, keys, chunk.key_lo, chunk.comp_len, blocks, width, backend)
         for b in range(4):
             own = table[torch.from_numpy(lay.entry_rows(b))]
             for t in range(int(cu[b]), int(cu[b + 1])):
