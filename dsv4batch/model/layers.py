@@ -2,6 +2,10 @@
 
 Attribute names follow the native checkpoint (`wq_a`, `hc_attn_fn`, `ffn.gate.tid2eid`, ...)
 so that loading is a name lookup. The maths follows transformers' `modeling_deepseek_v4.py`.
+
+In fp32 on the CPU, RoPE and mHC's token-wise passes (`Rope.apply`, `hc_pre` after its GEMM,
+`hc_collapse`, `hc_post`) run as one C++ pass each (`kernels/csrc/elementwise.cpp`, where
+`kernels.elementwise_supported`); the torch code below stays their definition and fallback.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import quant_linear
+from ..kernels import (HC_MAX, elementwise_supported, hc_collapse_cpu, hc_post_cpu, hc_pre_cpu, quant_linear,
+                       rope_cpu)
 from ..kernels.quant_reference import dequantize_into, stored_shapes
 from ..kernels.rows import pad_rows
 from .parallel import SINGLE
@@ -141,6 +146,8 @@ class Rope:
         """x [n, ..., d]; cos/sin [n, rd] broadcast over middle dims. Rotates x[..., -rd:] in place
         and returns x (every caller passes a fresh tensor: no copy of the d - rd untouched dims)."""
         rd = cos.shape[-1]
+        if cos.shape[0] == x.shape[0] and elementwise_supported(x, cos, sin):
+            return rope_cpu(x, cos, sin)  # one pass (kernels/csrc/elementwise.cpp)
         if x.dtype == torch.float32:
             # in place on the (even, odd) pairs: ~2.5 passes over the rope dims instead of ~8
             # (q [4096, 8, 512]: 13.4 -> 8.7 ms); other dtypes keep the fp32 copy below
@@ -202,6 +209,8 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     (comb[i, j, t]: stream i's weight in new stream j; tokens last), collapsed [T, H] in x's dtype).
     """
     mixes = hc_mixes(x, fn, norm_eps)
+    if hc <= HC_MAX and elementwise_supported(mixes, x, scale, base):
+        return hc_pre_cpu(mixes, x, scale, base, iters, eps)  # the rest in one pass per token
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
     pre = sigmoid(pre_w * scale[0] + pre_b) + eps
@@ -256,6 +265,8 @@ def sinkhorn_(comb: torch.Tensor, iters: int, eps: float, is_numpy: bool | None 
 
 def hc_collapse(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """sum_i weights[:, i] * x[:, i]: weights [T, hc] fp32, x [T, hc, H] -> [T, H] in x's dtype."""
+    if elementwise_supported(weights, x):
+        return hc_collapse_cpu(weights, x)
     out = weights[:, 0:1] * x[:, 0]
     for i in range(1, x.shape[1]):
         out.addcmul_(weights[:, i:i + 1], x[:, i])
@@ -268,6 +279,8 @@ def hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.
     x [T, hc, H], out [T, H], post [T, hc], comb [hc, hc, T] (`hc_pre`'s layout). One fused
     multiply-add per source stream over [T, hc, H] instead of T tiny [hc, hc] x [hc, H] matmuls.
     """
+    if elementwise_supported(x, out, post, comb):
+        return hc_post_cpu(x, out, post, comb)
     dtype = x.dtype
     new = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
     for i in range(x.shape[1]):

@@ -276,7 +276,7 @@ def test_cpu_kernel_builds_into_its_cache_and_reports_compiler_errors(monkeypatc
     with pytest.warns(RuntimeWarning, match="slower torch paths"):
         assert cpu_mod.library() is None
     assert cpu_mod.library() is None  # not retried in this process
-    assert "sparse_mla.cpp head.cpp indexer.cpp failed" in cpu_mod.build_error() and "no such flag" in cpu_mod.build_error()
+    assert "sparse_mla.cpp head.cpp indexer.cpp elementwise.cpp failed" in cpu_mod.build_error() and "no such flag" in cpu_mod.build_error()
     assert len(list((tmp_path / "cache").iterdir())) == 1
 
 

@@ -1,0 +1,72 @@
+"""The token-wise C++ passes (`kernels/csrc/elementwise.cpp`) against their torch definitions in
+`model/layers.py`: RoPE, mHC's weights (Sinkhorn included) and collapse, and the stream update;
+each up to fp32 rounding, and a token's bits independent of the tokens beside it."""
+
+import pytest
+import torch
+
+import dsv4batch.model.layers as layers
+from dsv4batch.kernels import cpu as cpu_mod
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_mod.library() is not None, cpu_mod.build_error()  # CI has a compiler: a failed build fails
+
+
+@pytest.fixture
+def torch_paths(monkeypatch):
+    """Runs a call on the torch definitions (the layers' fallback when no kernel is built)."""
+    def run(fn, *args):
+        with monkeypatch.context() as m:
+            m.setattr(layers, "elementwise_supported", lambda *a: False)
+            return fn(*args)
+    return run
+
+
+def test_rope_equals_the_torch_path_and_touches_only_the_rope_dims(torch_paths):
+    gen = torch.Generator().manual_seed(0)
+    rope = layers.Rope(1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), 1.3)
+    cos, sin = rope.cos_sin(torch.randint(0, 5000, (37,), generator=gen))
+    for shape in ((37, 3, 40), (37, 16)):
+        x = torch.randn(shape, generator=gen)
+        got, ref = layers.Rope.apply(x.clone(), cos, sin), torch_paths(layers.Rope.apply, x.clone(), cos, sin)
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+        assert torch.equal(got[..., :-16], x[..., :-16])
+        # undoing with -sin gives the input back (as attention does with its output)
+        torch.testing.assert_close(layers.Rope.apply(got, cos / 1.3 ** 2, -sin / 1.3 ** 2), x, atol=1e-5, rtol=1e-5)
+    alone = layers.Rope.apply(x[5:6].clone(), cos[5:6], sin[5:6])
+    assert torch.equal(alone[0], layers.Rope.apply(x.clone(), cos, sin)[5])
+
+
+@pytest.mark.parametrize("hc", [4, 2])
+def test_hc_pre_and_post_equal_the_torch_paths(torch_paths, hc):
+    gen = torch.Generator().manual_seed(hc)
+    T, H = 29, 48
+    x = torch.randn(T, hc, H, generator=gen)
+    fn = torch.randn((2 + hc) * hc, hc * H, generator=gen) / (hc * H) ** 0.5
+    base, scale = torch.randn((2 + hc) * hc, generator=gen), torch.rand(3, generator=gen) + 0.5
+    args = (x, fn, base, scale, hc, 20, 1e-6, 1e-6)
+    got, ref = layers.hc_pre(*args), torch_paths(layers.hc_pre, *args)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g, r, atol=2e-6, rtol=2e-5)
+    post, comb, _ = got
+    torch.testing.assert_close(comb.sum(0), torch.ones(hc, T), atol=1e-5, rtol=0)  # doubly stochastic
+    out = torch.randn(T, H, generator=gen)
+    new, new_ref = layers.hc_post(x, out, post, comb), torch_paths(layers.hc_post, x, out, post, comb)
+    torch.testing.assert_close(new, new_ref, atol=2e-6, rtol=2e-5)
+    # a token alone: the same bits as among the others
+    alone = layers.hc_pre(x[7:8].contiguous(), *args[1:])
+    assert all(torch.equal(a, b) for a, b in zip((alone[0][0], alone[1][..., 0], alone[2][0]),
+                                                 (got[0][7], got[1][..., 7], got[2][7])))
+    w = torch.rand(T, hc, generator=gen)
+    torch.testing.assert_close(layers.hc_collapse(w, x), torch_paths(layers.hc_collapse, w, x), atol=1e-6, rtol=1e-6)
+
+
+def test_other_dtypes_and_views_take_the_torch_paths():
+    x = torch.randn(8, 4, 16)
+    assert not cpu_mod.elementwise_supported(x.double())
+    assert not cpu_mod.elementwise_supported(x.transpose(0, 1))
+    assert not cpu_mod.elementwise_supported(x.bfloat16())
+    assert cpu_mod.elementwise_supported(x, x[0].contiguous())
