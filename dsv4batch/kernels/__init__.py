@@ -27,8 +27,8 @@ units, :func:`bf16_available`), and :func:`head_stats` (``cpu.py``) is the fused
 the CPU (per row: sum of 2^z, max z, the target's z over the vocabulary, on
 :func:`pack_head` panels; :func:`head_supported`), and :func:`indexer_topk` is the Lightning
 Indexer's top-k (contract and torch definition in ``indexer.py``; the cpu kernel where the
-attention backend asked for allows it); :func:`rope_cpu`, :func:`hc_pre_cpu`, :func:`hc_collapse_cpu`
-and :func:`hc_post_cpu` are the block's token-wise fp32 passes in one C++ pass each (where
+attention backend asked for allows it); :func:`rope_cpu`, :func:`hc_pre_cpu`, :func:`hc_collapse_cpu`,
+:func:`hc_post_cpu`, :func:`rms_norm_cpu` and :func:`swiglu_cpu` are the block's token-wise fp32 passes in one C++ pass each (where
 :func:`elementwise_supported`; definitions: the torch paths in ``model/layers.py``).
 
 Tensors (no batch dim: concatenate tokens and offset indices into one concatenated kv):
@@ -62,8 +62,10 @@ import torch
 
 from . import cpu as _cpu
 from . import flashmla as _flashmla
-from .cpu import HC_MAX, elementwise_supported, hc_collapse_cpu, hc_post_cpu, hc_pre_cpu, head_stats, head_supported, pack_head, rope_cpu
+from .cpu import head_stats, head_supported, pack_head
 from .dense import bf16_available, bf16_linear, dense_linear, pack_weight
+from .elementwise import (HC_MAX, elementwise_supported, hc_collapse_cpu, hc_post_cpu, hc_pre_cpu, rms_norm_cpu,
+                          rope_cpu, swiglu_cpu)
 from .env import env_choice
 from .indexer import indexer_topk_torch
 from .quant_matmul import quant_backends, quant_linear
@@ -72,7 +74,7 @@ from .reference import check_shapes, sparse_mla_prefill_torch
 __all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "requested_backend", "ENV_BACKEND",
            "quant_linear", "quant_backends", "dense_linear", "pack_weight", "bf16_linear", "bf16_available",
            "head_stats", "head_supported", "pack_head", "indexer_topk", "elementwise_supported", "rope_cpu",
-           "hc_collapse_cpu", "hc_post_cpu", "hc_pre_cpu", "HC_MAX"]
+           "hc_collapse_cpu", "hc_post_cpu", "hc_pre_cpu", "HC_MAX", "rms_norm_cpu", "swiglu_cpu"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
 _BACKENDS = ("auto", "torch", "cpu", "flashmla")

@@ -20,9 +20,8 @@ definition: ``indexer.py``): one query at a time over its own keys, 48 keys x 8 
 products in registers, the weighted ReLU sum over heads folded in there, and a running top-k:
 no [heads, queries, keys] block, no mask, no full sort.
 
-``csrc/elementwise.cpp`` holds the block's token-wise fp32 passes (:func:`rope_cpu`,
-:func:`hc_collapse_cpu`, :func:`hc_post_cpu`; definitions: the torch paths in
-``model/layers.py``), each one pass where torch takes several strided or broadcast ones.
+``csrc/elementwise.cpp`` holds the block's token-wise fp32 passes (their wrappers:
+``elementwise.py``).
 
 Build: the C++ compiler named by ``$CXX``, else ``g++``/``c++``/``clang++`` on PATH, with
 ``FLAGS`` (``-march=native``: the library is for this CPU), into a cache folder keyed by the
@@ -143,7 +142,9 @@ def _load() -> ctypes.CDLL:
     lib.hc_collapse_fwd.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
     lib.hc_post_fwd.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.c_int]
     lib.hc_pre_fwd.argtypes = [ptr] * 4 + [i64] * 4 + [ctypes.c_float] + [ptr] * 3 + [ctypes.c_int]
-    for fn in (lib.rope_inplace, lib.hc_collapse_fwd, lib.hc_post_fwd, lib.hc_pre_fwd):
+    lib.rms_norm_fwd.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
+    lib.swiglu_fwd.argtypes = [ptr] * 3 + [i64, ctypes.c_float, ctypes.c_int]
+    for fn in (lib.rope_inplace, lib.hc_collapse_fwd, lib.hc_post_fwd, lib.hc_pre_fwd, lib.rms_norm_fwd, lib.swiglu_fwd):
         fn.restype = ctypes.c_int
     return lib
 
@@ -254,62 +255,3 @@ def indexer_topk_cpu(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_l
         library().indexer_topk(qf.data_ptr(), wf.data_ptr(), kt.data_ptr(), lo.data_ptr(), n.data_ptr(), s, h, d,
                                kt.shape[1], width, out.data_ptr(), torch.get_num_threads())
     return out
-
-
-def _ew_threads(work: int) -> int:
-    """Threads for a token-wise pass touching `work` elements: one per 16M (at least one). These
-    passes are memory-bound and short (~1 ms): a second thread mostly contends with torch's
-    OpenMP workers, still spinning from the op before, for the same cores."""
-    return max(1, min(torch.get_num_threads(), work >> 24))
-
-
-def elementwise_supported(*tensors: torch.Tensor) -> bool:
-    """Whether the token-wise kernels can take these tensors as they are: all fp32, contiguous,
-    on the CPU, no grad, and the library built."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                and not (t.requires_grad and torch.is_grad_enabled()) for t in tensors) and library() is not None)
-
-
-def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`model.layers.Rope.apply` in place: x [n, ..., d], cos/sin [n, rd] (`elementwise_supported`
-    for all three) -> x."""
-    n, d, rd = x.shape[0], x.shape[-1], cos.shape[-1]
-    if x.numel():
-        library().rope_inplace(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, x.numel() // max(n * d, 1), d, rd,
-                               _ew_threads(x.numel() // d * rd))
-    return x
-
-
-def hc_collapse_cpu(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`model.layers.hc_collapse`: weights [T, hc], x [T, hc, H] -> [T, H]."""
-    n, hc, h = x.shape
-    out = torch.empty(n, h, dtype=torch.float32)
-    if out.numel():
-        library().hc_collapse_fwd(x.data_ptr(), weights.data_ptr(), out.data_ptr(), n, hc, h, _ew_threads(x.numel()))
-    return out
-
-
-def hc_post_cpu(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """`model.layers.hc_post`: x [T, hc, H], out [T, H], post [T, hc], comb [hc, hc, T] -> [T, hc, H]."""
-    n, hc, h = x.shape
-    new = torch.empty(n, hc, h, dtype=torch.float32)
-    if new.numel():
-        library().hc_post_fwd(x.data_ptr(), out.data_ptr(), post.data_ptr(), comb.data_ptr(), new.data_ptr(), n, hc,
-                              h, _ew_threads(x.numel() * (hc + 1)))
-    return new
-
-
-HC_MAX = 8  # streams csrc/elementwise.cpp's hc_pre_fwd holds per token
-
-
-def hc_pre_cpu(mixes: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`model.layers.hc_pre` after its GEMM: mixes [T, (2 + hc) * hc], x [T, hc, H] (hc <= HC_MAX),
-    scale [3], base [(2 + hc) * hc] -> (post [T, hc], comb [hc, hc, T], collapsed [T, H])."""
-    n, hc, h = x.shape
-    post, comb, collapsed = torch.empty(n, hc), torch.empty(hc, hc, n), torch.empty(n, h)
-    if n:
-        library().hc_pre_fwd(mixes.data_ptr(), x.data_ptr(), scale.data_ptr(), base.data_ptr(), n, hc, h, iters,
-                             float(eps), post.data_ptr(), comb.data_ptr(), collapsed.data_ptr(),
-                             _ew_threads(x.numel()))
-    return post, comb, collapsed

@@ -3,8 +3,8 @@
 Attribute names follow the native checkpoint (`wq_a`, `hc_attn_fn`, `ffn.gate.tid2eid`, ...)
 so that loading is a name lookup. The maths follows transformers' `modeling_deepseek_v4.py`.
 
-In fp32 on the CPU, RoPE and mHC's token-wise passes (`Rope.apply`, `hc_pre` after its GEMM,
-`hc_collapse`, `hc_post`) run as one C++ pass each (`kernels/csrc/elementwise.cpp`, where
+In fp32 on the CPU, the token-wise passes (`RMSNorm`, `Rope.apply`, `hc_pre` after its GEMM,
+`hc_collapse`, `hc_post`, `swiglu`) run as one C++ pass each (`kernels/csrc/elementwise.cpp`, where
 `kernels.elementwise_supported`); the torch code below stays their definition and fallback.
 """
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import (HC_MAX, elementwise_supported, hc_collapse_cpu, hc_post_cpu, hc_pre_cpu, quant_linear,
-                       rope_cpu)
+                       rms_norm_cpu, rope_cpu, swiglu_cpu)
 from ..kernels.quant_reference import dequantize_into, stored_shapes
 from ..kernels.rows import pad_rows
 from .parallel import SINGLE
@@ -120,6 +120,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if elementwise_supported(x, self.weight):
+            return rms_norm_cpu(x, self.weight, self.eps)
         h = x.float() * inv_rms(x, self.eps)
         return h.mul_(self.weight).to(x.dtype)
 
@@ -316,6 +318,8 @@ class Gate(nn.Module):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    if gate.shape == up.shape and elementwise_supported(gate, up):
+        return swiglu_cpu(gate, up, limit)
     gate = gate.clamp(max=limit)
     return gate * sigmoid(gate) * up.clamp(min=-limit, max=limit)  # silu(gate) * up, see `sigmoid`
 

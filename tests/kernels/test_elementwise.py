@@ -7,6 +7,7 @@ import torch
 
 import dsv4batch.model.layers as layers
 from dsv4batch.kernels import cpu as cpu_mod
+from dsv4batch.kernels import elementwise as ew_mod
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +67,25 @@ def test_hc_pre_and_post_equal_the_torch_paths(torch_paths, hc):
 
 def test_other_dtypes_and_views_take_the_torch_paths():
     x = torch.randn(8, 4, 16)
-    assert not cpu_mod.elementwise_supported(x.double())
-    assert not cpu_mod.elementwise_supported(x.transpose(0, 1))
-    assert not cpu_mod.elementwise_supported(x.bfloat16())
-    assert cpu_mod.elementwise_supported(x, x[0].contiguous())
+    assert not ew_mod.elementwise_supported(x.double())
+    assert not ew_mod.elementwise_supported(x.transpose(0, 1))
+    assert not ew_mod.elementwise_supported(x.bfloat16())
+    assert ew_mod.elementwise_supported(x, x[0].contiguous())
+
+
+def test_rms_norm_and_swiglu_equal_the_torch_paths(torch_paths):
+    gen = torch.Generator().manual_seed(4)
+    for shape in ((33, 64), (5, 3, 40)):  # 40: a vector tail
+        x, w = 3 * torch.randn(shape, generator=gen), torch.rand(shape[-1], generator=gen) + 0.5
+        norm = layers.RMSNorm(shape[-1], 1e-6)
+        norm.weight.data.copy_(w)
+        with torch.no_grad():
+            got, ref = norm(x), torch_paths(norm, x)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+            assert torch.equal(norm(x.view(-1, shape[-1])[4:5].clone())[0], got.view(-1, shape[-1])[4])
+    gate, up = 8 * torch.randn(50, 24, generator=gen), 8 * torch.randn(50, 24, generator=gen)
+    gate[0, :3] = torch.tensor([float("nan"), 30.0, -30.0])
+    up[1, :2] = torch.tensor([float("nan"), -30.0])
+    got, ref = layers.swiglu(gate, up, 7.0), torch_paths(layers.swiglu, gate, up, 7.0)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert got[0, 0].isnan() and got[1, 0].isnan()

@@ -9,7 +9,8 @@
 // Slots [k_i, width) of its row are 0.
 //
 // One query at a time: 48 keys x 8 heads of dot products accumulate in 24 vector registers
-// over the dimension (a key column read from the transposed keys feeds 8 heads), and the
+// over the dimension (a key column read from the transposed keys feeds 8 heads; a query's
+// last tile takes 16 or 32 keys where that covers its rest), and the
 // weighted ReLU sum over heads folds into 3 more. Each 16 scores are then compared at once
 // with the running k-th best; the few that beat it go to a buffer (up to 2k + 64 keys, cut
 // back to k with nth_element when full), and the k survivors are sorted at the end: no
@@ -35,27 +36,36 @@ namespace {
 constexpr int KV = 3, KW = 16 * KV, HB = 8;  // key vectors per tile, keys per tile, heads per block
 constexpr int64_t GRAIN = 8;                 // queries a thread takes at a time
 
-// sc[v] += sum over heads r < R of w[r] * relu(q[r] . key), for the KW keys at kt's columns
-template <int R>
+// sc[v] += sum over heads r < R of w[r] * relu(q[r] . key), for the 16 * NV keys at kt's columns
+template <int R, int NV>
 inline void head_block(const float *q, const float *w, const float *kt, int64_t E, int64_t D, v16 *sc) {
-    v16 acc[R][KV];
+    v16 acc[R][NV];
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < KV; v++) acc[r][v] = splat(0.0f);
+        for (int v = 0; v < NV; v++) acc[r][v] = splat(0.0f);
     for (int64_t j = 0; j < D; j++) {
-        v16 k[KV];
-        for (int v = 0; v < KV; v++) k[v] = *(const v16 *)(kt + j * E + 16 * v);
+        v16 k[NV];
+        for (int v = 0; v < NV; v++) k[v] = *(const v16 *)(kt + j * E + 16 * v);
         for (int r = 0; r < R; r++) {
             v16 qb = splat(q[r * D + j]);
-            for (int v = 0; v < KV; v++) acc[r][v] += qb * k[v];
+            for (int v = 0; v < NV; v++) acc[r][v] += qb * k[v];
         }
     }
     for (int r = 0; r < R; r++) {
         v16 wb = splat(w[r]);
-        for (int v = 0; v < KV; v++) {
+        for (int v = 0; v < NV; v++) {
             v16 a = acc[r][v];
             sc[v] += wb * (a < splat(0.0f) ? splat(0.0f) : a);  // relu; NaN stays NaN
         }
     }
+}
+
+// the scores of one query's keys [e0, e0 + 16 * NV) into sc (every lane the same arithmetic)
+template <int NV>
+inline void tile(const float *q, const float *w, const float *kt, int64_t E, int64_t H, int64_t D, v16 *sc) {
+    for (int v = 0; v < NV; v++) sc[v] = splat(0.0f);
+    int64_t h = 0;
+    for (; h + HB <= H; h += HB) head_block<HB, NV>(q + h * D, w + h, kt, E, D, sc);
+    for (; h < H; h++) head_block<1, NV>(q + h * D, w + h, kt, E, D, sc);
 }
 
 // the order of (score, e): larger is better; unique per e (`tie_free_keys` in indexer.py)
@@ -132,13 +142,14 @@ extern "C" int indexer_topk(const float *q, const float *w, const float *kt, con
             for (int64_t i = a; i < std::min(a + GRAIN, s); i++) {
                 const int64_t ni = n[i], k = std::min(width, ni);
                 best.reset(k);
-                for (int64_t e0 = 0; e0 < ni; e0 += KW) {
+                for (int64_t e0 = 0; e0 < ni; e0 += KW) {  // the last tile only as wide as it needs
                     v16 sc[KV];
-                    for (int v = 0; v < KV; v++) sc[v] = splat(0.0f);
                     const float *ktile = kt + lo[i] + e0;
-                    int64_t h = 0;
-                    for (; h + HB <= H; h += HB) head_block<HB>(q + (i * H + h) * D, w + i * H + h, ktile, E, D, sc);
-                    for (; h < H; h++) head_block<1>(q + (i * H + h) * D, w + i * H + h, ktile, E, D, sc);
+                    const int64_t left = ni - e0;
+                    const float *qi = q + i * H * D, *wi = w + i * H;
+                    if (left > 32) tile<3>(qi, wi, ktile, E, H, D, sc);
+                    else if (left > 16) tile<2>(qi, wi, ktile, E, H, D, sc);
+                    else tile<1>(qi, wi, ktile, E, H, D, sc);
                     for (int v = 0; v < KV && e0 + 16 * v < ni; v++)
                         best.add(sc[v], e0 + 16 * v, (int)std::min<int64_t>(16, ni - e0 - 16 * v));
                 }
