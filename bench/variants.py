@@ -11,31 +11,38 @@ import torch
 from bench.common import best_of
 
 
-KERNEL_VARIANTS = {"tiled": ("torch", "onednn"), "attn": ("cpu", "onednn"), "fused": ("cpu", "fused")}
+# name: (attn_backend, DSV4BATCH_CPU_GEMM, DSV4BATCH_CPU_ELEMENTWISE). tiled: round six's torch paths
+# (torch attention and indexer, the oneDNN-tiled head); attn: + the attention and indexer kernels;
+# fused: + the fused head; all (the default engine): + the token-wise C++ passes
+KERNEL_VARIANTS = {"tiled": ("torch", "onednn", "torch"), "attn": ("cpu", "onednn", "torch"),
+                   "fused": ("cpu", "fused", "torch"), "all": ("cpu", "fused", "auto")}
 
 
 def kernels_case(ours, batch, repeats: int) -> dict:
-    """`KERNEL_VARIANTS` (attn_backend, DSV4BATCH_CPU_GEMM) of one engine's model on one batch:
+    """`KERNEL_VARIANTS` of one engine's model on one batch:
     tok/s of each (interleaved, best of `repeats`), speedups over "tiled", |logprob difference|."""
     import dataclasses
     import os
 
     from dsv4batch.kernels.dense import ENV_CPU_GEMM
+    from dsv4batch.kernels.elementwise import ENV_ELEMENTWISE
     from dsv4batch.model import Engine
 
     def run(name):
-        attn, gemm = KERNEL_VARIANTS[name]
-        engine, saved = Engine(ours.model, dataclasses.replace(ours.config, attn_backend=attn)), os.environ.get(ENV_CPU_GEMM)
-        os.environ[ENV_CPU_GEMM] = gemm
+        attn, *env = KERNEL_VARIANTS[name]
+        engine = Engine(ours.model, dataclasses.replace(ours.config, attn_backend=attn))
+        saved = {k: os.environ.get(k) for k in (ENV_CPU_GEMM, ENV_ELEMENTWISE)}
+        os.environ.update(zip((ENV_CPU_GEMM, ENV_ELEMENTWISE), env))
         try:
             t0 = time.perf_counter()
             out = engine.score(batch)[0]
             return time.perf_counter() - t0, np.concatenate(out).astype(np.float64)
         finally:
-            if saved is None:
-                os.environ.pop(ENV_CPU_GEMM, None)
-            else:
-                os.environ[ENV_CPU_GEMM] = saved
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     scores = {k: run(k)[1] for k in KERNEL_VARIANTS}  # warm-up (packs each head copy once)
     t = {k: float("inf") for k in KERNEL_VARIANTS}
@@ -44,7 +51,7 @@ def kernels_case(ours, batch, repeats: int) -> dict:
             t[k] = min(t[k], run(k)[0])
     tokens = sum(len(ids) - 1 for ids in batch)
     out = {"tokens": tokens, **{f"{k}_tok_s": round(tokens / t[k], 1) for k in KERNEL_VARIANTS}}
-    for k in ("attn", "fused"):
+    for k in list(KERNEL_VARIANTS)[1:]:
         diff = np.abs(scores[k] - scores["tiled"])
         out.update({f"{k}_speedup": round(t["tiled"] / t[k], 2), f"{k}_max_abs_diff": float(diff.max()),
                     f"{k}_mean_abs_diff": float(diff.mean())})

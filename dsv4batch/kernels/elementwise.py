@@ -3,7 +3,8 @@ built with the other CPU kernels by ``cpu.py``): RoPE, mHC's weights / collapse 
 RMSNorm and SwiGLU. Definitions: the torch paths in ``model/layers.py``, which call these where
 :func:`elementwise_supported` and keep their own code as the fallback. Each equals its definition
 up to fp32 rounding, and a row's bits never depend on the rows beside it (tests:
-``tests/kernels/test_elementwise.py``).
+``tests/kernels/test_elementwise.py``). ``DSV4BATCH_CPU_ELEMENTWISE=torch`` keeps the torch paths
+(``auto``, the default: these kernels wherever they can run).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import torch
 
 from .cpu import library
+from .env import env_choice
+
+ENV_ELEMENTWISE = "DSV4BATCH_CPU_ELEMENTWISE"
 
 def _ew_threads(work: int) -> int:
     """Threads for a token-wise pass touching `work` elements: one per 16M (at least one). These
@@ -21,8 +25,8 @@ def _ew_threads(work: int) -> int:
 
 def elementwise_supported(*tensors: torch.Tensor) -> bool:
     """Whether the token-wise kernels can take these tensors as they are: all fp32, contiguous,
-    on the CPU, no grad, and the library built."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+    on the CPU, no grad, the library built, and ``DSV4BATCH_CPU_ELEMENTWISE`` not ``torch``."""
+    return (env_choice(ENV_ELEMENTWISE, ("auto", "torch")) != "torch" and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                 and not (t.requires_grad and torch.is_grad_enabled()) for t in tensors) and library() is not None)
 
 

@@ -1,5 +1,5 @@
 """The kernels' environment switches (`DSV4BATCH_ATTN_BACKEND`, `DSV4BATCH_QUANT_BACKEND`,
-`DSV4BATCH_CPU_GEMM`): one rule for reading and checking them."""
+`DSV4BATCH_CPU_GEMM`, `DSV4BATCH_CPU_ELEMENTWISE`): one rule for reading and checking them."""
 
 from __future__ import annotations
 

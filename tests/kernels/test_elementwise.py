@@ -89,3 +89,13 @@ def test_rms_norm_and_swiglu_equal_the_torch_paths(torch_paths):
     got, ref = layers.swiglu(gate, up, 7.0), torch_paths(layers.swiglu, gate, up, 7.0)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
     assert got[0, 0].isnan() and got[1, 0].isnan()
+
+
+def test_the_switch_keeps_the_torch_paths(monkeypatch):
+    x = torch.randn(8, 4, 16)
+    assert ew_mod.elementwise_supported(x)
+    monkeypatch.setenv(ew_mod.ENV_ELEMENTWISE, "torch")
+    assert not ew_mod.elementwise_supported(x)
+    monkeypatch.setenv(ew_mod.ENV_ELEMENTWISE, "fast")
+    with pytest.raises(ValueError, match="DSV4BATCH_CPU_ELEMENTWISE"):
+        ew_mod.elementwise_supported(x)
