@@ -103,7 +103,7 @@ struct Best {
     void cut() {
         std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), std::greater<int64_t>());
         buf.resize(k);
-        bar = (int32_t)(buf[k - 1] >> 32) + (buf[k - 1] & 0xFFFFFFFF ? 1 : 0);  // the k-th's mapped score
+        bar = (int32_t)((buf[k - 1] >> 32) + (buf[k - 1] & 0xFFFFFFFF ? 1 : 0));  // the k-th's mapped score
         is_cut = true;
     }
     // 16 scores of keys e0 + l, l < valid
