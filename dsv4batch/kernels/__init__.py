@@ -13,10 +13,11 @@ optional extra ``gpu``).  Everything else calls :func:`sparse_mla_prefill`, whic
   out within abs 8e-4 / rel 3/128, max_logits and lse within about 1e-6 relative).
 
 Backend choice: ``backend="auto"`` takes FlashMLA when it imported and the call fits it, else
-the cpu kernel when the call fits it and it builds, else torch (the Lightning Indexer follows the same request: :func:`indexer_topk`); the environment variable
-``DSV4BATCH_ATTN_BACKEND`` (``auto``/``torch``/``cpu``/``flashmla``) replaces ``"auto"`` when
-set.  ``"torch"`` / ``"cpu"`` / ``"flashmla"`` force a backend; forcing one where it cannot run
-raises ``RuntimeError`` with the reason.
+the cpu kernel when the call fits it and it builds, else torch (the Lightning Indexer follows
+the same request: :func:`indexer_topk`); the environment variable ``DSV4BATCH_ATTN_BACKEND``
+(``auto``/``torch``/``cpu``/``flashmla``) replaces ``"auto"`` when set.  ``"torch"`` /
+``"cpu"`` / ``"flashmla"`` force a backend; forcing one where it cannot run raises
+``RuntimeError`` with the reason.
 
 The package's other entry points: :func:`quant_linear` (``quant_matmul.py``) multiplies by a
 weight kept as the checkpoint stores it (FP8 block-scaled or FP4 e2m1; its contract is in
@@ -27,8 +28,9 @@ units, :func:`bf16_available`), and :func:`head_stats` (``cpu.py``) is the fused
 the CPU (per row: sum of 2^z, max z, the target's z over the vocabulary, on
 :func:`pack_head` panels; :func:`head_supported`), and :func:`indexer_topk` is the Lightning
 Indexer's top-k (contract and torch definition in ``indexer.py``; the cpu kernel where the
-attention backend asked for allows it); :func:`rope_cpu`, :func:`hc_pre_cpu`, :func:`hc_collapse_cpu`,
-:func:`hc_post_cpu`, :func:`rms_norm_cpu` and :func:`swiglu_cpu` are the block's token-wise fp32 passes in one C++ pass each (where
+attention backend asked for allows it); :func:`rope_cpu`, :func:`hc_pre_cpu`,
+:func:`hc_collapse_cpu`, :func:`hc_post_cpu`, :func:`rms_norm_cpu` and :func:`swiglu_cpu` are
+the block's token-wise fp32 passes, one C++ pass each (``elementwise.py``, where
 :func:`elementwise_supported`; definitions: the torch paths in ``model/layers.py``).
 
 Tensors (no batch dim: concatenate tokens and offset indices into one concatenated kv):

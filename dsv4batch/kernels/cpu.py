@@ -49,7 +49,8 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "sparse_mla.cpp", CSRC / "head.cpp", CSRC / "indexer.cpp", CSRC / "elementwise.cpp")  # compiled together into one library
+# compiled together into one library
+SOURCES = (CSRC / "sparse_mla.cpp", CSRC / "head.cpp", CSRC / "indexer.cpp", CSRC / "elementwise.cpp")
 HEADERS = (CSRC / "common.h",)
 PANEL = 64  # vocabulary ids per `pack_head` panel (csrc/head.cpp's PW)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
@@ -109,7 +110,8 @@ def library() -> Optional[ctypes.CDLL]:
             try:
                 _state["lib"] = _load()
             except subprocess.CalledProcessError as e:
-                _state["error"] = f"compiling {' '.join(s.name for s in SOURCES)} failed: {(e.stderr or '').strip()[-500:]}"
+                names = " ".join(s.name for s in SOURCES)
+                _state["error"] = f"compiling {names} failed: {(e.stderr or '').strip()[-500:]}"
             except (OSError, subprocess.TimeoutExpired, RuntimeError) as e:
                 _state["error"] = f"{type(e).__name__}: {e}"
             if "error" in _state:
@@ -144,7 +146,8 @@ def _load() -> ctypes.CDLL:
     lib.hc_pre_fwd.argtypes = [ptr] * 4 + [i64] * 4 + [ctypes.c_float] + [ptr] * 3 + [ctypes.c_int]
     lib.rms_norm_fwd.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.swiglu_fwd.argtypes = [ptr] * 3 + [i64, ctypes.c_float, ctypes.c_int]
-    for fn in (lib.rope_inplace, lib.hc_collapse_fwd, lib.hc_post_fwd, lib.hc_pre_fwd, lib.rms_norm_fwd, lib.swiglu_fwd):
+    for fn in (lib.rope_inplace, lib.hc_collapse_fwd, lib.hc_post_fwd, lib.hc_pre_fwd, lib.rms_norm_fwd,
+               lib.swiglu_fwd):
         fn.restype = ctypes.c_int
     return lib
 

@@ -16,6 +16,7 @@ from .env import env_choice
 
 ENV_ELEMENTWISE = "DSV4BATCH_CPU_ELEMENTWISE"
 
+
 def _ew_threads(work: int) -> int:
     """Threads for a token-wise pass touching `work` elements: one per 16M (at least one). These
     passes are memory-bound and short (~1 ms): a second thread mostly contends with torch's
@@ -26,8 +27,10 @@ def _ew_threads(work: int) -> int:
 def elementwise_supported(*tensors: torch.Tensor) -> bool:
     """Whether the token-wise kernels can take these tensors as they are: all fp32, contiguous,
     on the CPU, no grad, the library built, and ``DSV4BATCH_CPU_ELEMENTWISE`` not ``torch``."""
-    return (env_choice(ENV_ELEMENTWISE, ("auto", "torch")) != "torch" and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                and not (t.requires_grad and torch.is_grad_enabled()) for t in tensors) and library() is not None)
+    if env_choice(ENV_ELEMENTWISE, ("auto", "torch")) == "torch":
+        return False
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+               and not (t.requires_grad and torch.is_grad_enabled()) for t in tensors) and library() is not None
 
 
 def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
