@@ -1,26 +1,31 @@
-"""Argument parser for `dsv4batch score`, generated from `ScoreConfig`'s documented fields.
+"""Argument parser for `dsv4batch score|generate`, generated from the job configs' documented fields.
 
-Every config field is an option (`max_batched_tokens` -> `--max-batched-tokens`), so the CLI,
-the Python API and `_job.json` never drift apart. Only options given on the command line are
-returned; everything else keeps the config default.
+Every CLI field of `ScoreConfig` / `GenerateConfig` is an option (`max_batched_tokens` ->
+`--max-batched-tokens`), so the CLI, the Python API and `_job.json` never drift apart. Only
+options given on the command line are returned; everything else keeps the config default.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import typing
 
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import GROUPS, JOBS, ScoreConfig, cli_fields
 
-GROUPS = {"model": "model", "scoring": "columns and scoring", "engine": "engine",
-          "resources": "resources and Ray Data", "faults": "fault tolerance", "run": "run"}
 POSITIONAL = ("input", "output")
+DESCRIPTIONS = {
+    "score": ("score the rows of a dataset", "Score every row of INPUT (log-probabilities of its tokens) into "
+              "OUTPUT."),
+    "generate": ("generate a continuation of every row", "Generate a continuation of every row's prompt in INPUT "
+                 "(continuous batching, greedy or sampled) into OUTPUT."),
+}
 
 
 def _scalar(hint):
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+    """`X` of `Optional[X]`, else the hint itself."""
+    if typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
 
 
 def _optional(kind):
@@ -33,38 +38,48 @@ def _optional(kind):
 
 def build_parser(prog: str = "dsv4batch") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Offline DeepSeek-V4 batch scoring on Ray Data.")
+        prog=prog, description="Offline DeepSeek-V4 batch scoring and generation on Ray Data.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_parser(sub)
-    score = sub.add_parser(
-        "score", help="score the rows of a Parquet dataset",
-        description="Score every row of INPUT (log-probabilities of its tokens) into OUTPUT.",
-    )
-    score.add_argument("input", metavar="INPUT", help=_help("input"))
-    score.add_argument("output", metavar="OUTPUT", help=_help("output"))
-    hints = typing.get_type_hints(ScoreConfig)
-    groups = {k: score.add_argument_group(v) for k, v in GROUPS.items()}
-    for f in dataclasses.fields(ScoreConfig):
-        if f.name in POSITIONAL:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        group = groups[f.metadata["group"]]
-        text = f.metadata["help"] + ("" if f.default in (None, (), False) else
-                                     f" Default: {f.default}.")
-        # argparse %-formats help strings: a literal '%' must be doubled
-        kw = {"dest": f.name, "default": argparse.SUPPRESS, "help": text.replace("%", "%%")}
-        kind = _scalar(hints[f.name])
-        if kind is bool:
-            action = (argparse.BooleanOptionalAction if f.default else "store_true")
-            group.add_argument(flag, action=action, **kw)
-            continue
-        if typing.get_origin(kind) is tuple:
-            kind = str  # comma-separated; ScoreConfig splits it
-        elif type(None) in typing.get_args(hints[f.name]):
-            kind = _optional(kind)
-        group.add_argument(flag, type=kind, choices=f.metadata["choices"],
-                           metavar=None if f.metadata["choices"] else f.name.upper(), **kw)
+    for task, cls in JOBS.items():
+        short, long = DESCRIPTIONS[task]
+        add_job_parser(sub.add_parser(task, help=short, description=long), cls)
     return parser
+
+
+def add_job_parser(job: argparse.ArgumentParser, cls) -> None:
+    """An option per CLI field of `cls` (a job config), in the fields' groups."""
+    fields = cli_fields(cls)
+    for name in POSITIONAL:
+        job.add_argument(name, metavar=name.upper(), help=_escape(fields[name].description))
+    groups = {k: job.add_argument_group(v) for k, v in GROUPS.items()}
+    for name, f in fields.items():
+        if name in POSITIONAL:
+            continue
+        flag = "--" + name.replace("_", "-")
+        text = f.description + ("" if f.default in (None, (), False) else f" Default: {f.default}.")
+        kw = {"dest": name, "default": argparse.SUPPRESS, "help": _escape(text)}
+        hint = f.annotation
+        kind = _scalar(hint)
+        if kind is bool:
+            group = groups[f.json_schema_extra["group"]]
+            group.add_argument(flag, action=argparse.BooleanOptionalAction if f.default else "store_true", **kw)
+            continue
+        choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+        if choices:
+            kind = type(choices[0])
+            if type(None) in typing.get_args(hint):
+                choices = (None, *choices)
+        if typing.get_origin(kind) is tuple:
+            kind = str  # comma-separated; the config splits it
+        elif type(None) in typing.get_args(hint):
+            kind = _optional(kind)
+        groups[f.json_schema_extra["group"]].add_argument(flag, type=kind, choices=choices,
+                                                          metavar=None if choices else name.upper(), **kw)
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%%")  # argparse %-formats help strings
 
 
 def add_plan_parser(sub) -> argparse.ArgumentParser:
@@ -72,7 +87,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     from dsv4batch.model.capacity import TP_CHOICES
     from dsv4batch.model.config import EngineConfig
 
-    fields = {f.name: f.default for f in dataclasses.fields(ScoreConfig)}
+    fields = {name: f.default for name, f in ScoreConfig.model_fields.items()}
     plan = sub.add_parser(
         "plan", help="how many GPUs one replica of a model needs (reads no weights)",
         description="Per-rank weight bytes, the planner's workspace reservation and one step's "
@@ -98,15 +113,10 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     return plan
 
 
-def _help(name: str) -> str:
-    return next(f.metadata["help"] for f in dataclasses.fields(ScoreConfig)
-                if f.name == name).replace("%", "%%")
-
-
-def parse_config(argv: list[str], prog: str = "dsv4batch") -> ScoreConfig:
-    """argv (without the program name) -> validated `ScoreConfig`; raises `UsageError`."""
-    if argv and argv[0] not in ("score", "-h", "--help"):
+def parse_config(argv: list[str], prog: str = "dsv4batch"):
+    """argv (without the program name) -> validated `ScoreConfig` or `GenerateConfig` (by the
+    subcommand; none: score); raises `UsageError`."""
+    if argv and argv[0] not in (*JOBS, "-h", "--help"):
         argv = ["score", *argv]  # `python -m dsv4batch.jobs.score INPUT OUTPUT ...`
     args = vars(build_parser(prog).parse_args(argv))
-    args.pop("command", None)
-    return ScoreConfig.from_dict(args)
+    return JOBS[args.pop("command", "score")].from_dict(args)

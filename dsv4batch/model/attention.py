@@ -67,38 +67,51 @@ class Attention(nn.Module):
         self.compressor = Compressor(hidden, self.head_dim, ratio, eps) if ratio > 1 else None
         self.indexer = Indexer(config) if ratio == 4 else None
 
-    def forward(self, x: torch.Tensor, ctx, cache_in: dict, cache_out: dict, backend: str) -> torch.Tensor:
-        """x [T, hidden] (normed) -> [T, hidden]. ctx: the step (positions, layout, ropes, pool).
-
-        cache_in: carried tensors for this layer (None entries on a fresh step);
-        cache_out: filled with the tensors continuing requests carry to the next step.
-        """
-        lay, positions = ctx.layouts[self.ratio], ctx.positions
+    def forward(self, x: torch.Tensor, ctx, layer: int, backend: str) -> torch.Tensor:
+        """x [T, hidden] (normed) -> [T, hidden]. ctx: the step (`StepContext`: its first
+        `num_decode` tokens decode, one per request; the rest are prefill segments); layer: this
+        layer's index (its tensors in the step's `CachePool`)."""
         cos, sin = ctx.rope_for(self.ratio)
-        T = x.shape[0]
+        T, D = x.shape[0], ctx.num_decode
         q_res = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_res).view(T, self.num_heads, self.head_dim)
         q = Rope.apply(q.mul_(inv_rms(q, self.eps).to(q.dtype)), cos, sin)  # in place: q is fresh
         kv = Rope.apply(self.norm(self.wkv(x)), cos, sin)
+        parts = []
+        if D:
+            parts.append(self.decode(x[:D], q_res[:D], q[:D], kv[:D], ctx, layer, backend))
+        if T > D:
+            parts.append(self.prefill(x[D:], q_res[D:], q[D:], kv[D:], ctx, layer, backend))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        # K = V carried RoPE: undo it on the output's rope slice at the query position.
+        out = Rope.apply(out, cos, -sin)
+        grouped = out.view(T, self.groups, -1)
+        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
+        return self.tp.all_reduce(self.wo_b(grouped_linear(grouped, w).flatten(1)))  # row-parallel wo_b
 
+    def prefill(self, x, q_res, q, kv, ctx, layer: int, backend: str) -> torch.Tensor:
+        """The step's prefill tokens (x [T, hidden], q [T, heads, head_dim], kv [T, head_dim])
+        -> attention output [T, heads, head_dim], chunk by planned chunk over the step's table."""
+        lay, io = ctx.layouts[self.ratio], ctx.prefill_io[self.ratio]
+        D = ctx.num_decode
+        positions = ctx.positions[D:]
+        cos, sin = (t[D:] for t in ctx.rope_for(self.ratio))
+        cache_in = io.read(ctx.cache, layer)
         parts = [cache_in.get("entries"), None, cache_in.get("window"), kv, kv.new_zeros(1, self.head_dim)]
-        idx_table = None
+        idx_table, src, isrc = None, None, None
         if self.compressor is not None:
-            parts[1], src_kv, src_gate = self.compressor(x, positions, lay.comp, cache_in.get("comp"), ctx.comp_rope)
-            ctx.carry(cache_out, "comp", (src_kv, src_gate), lay.comp)
+            parts[1], *src = self.compressor(x, positions, lay.comp, cache_in.get("comp"), ctx.comp_rope)
         if self.indexer is not None:
-            new_idx, isrc_kv, isrc_gate = self.indexer.compressor(x, positions, lay.comp, cache_in.get("idx"),
-                                                                  ctx.comp_rope)
-            ctx.carry(cache_out, "idx", (isrc_kv, isrc_gate), lay.comp)
+            new_idx, *isrc = self.indexer.compressor(x, positions, lay.comp, cache_in.get("idx"), ctx.comp_rope)
             old_idx = cache_in.get("idx_entries")
             idx_table = new_idx if old_idx is None else torch.cat([old_idx, new_idx])
             iq, iw = self.indexer.queries(x, q_res, cos, sin)
         table = torch.cat([p for p in parts if p is not None])
-        ctx.carry_entries(cache_out, table, lay, idx_table)
+        io.write(ctx.cache, layer, table, idx_table, src, isrc)
 
+        T = x.shape[0]
         single = len(lay.chunks) == 1  # then the kernel's output is the layer's: no [T, heads, dim] copy
         out = None if single else torch.empty(T, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        scale = self.head_dim ** -0.5
         for ci, chunk in enumerate(lay.chunks):
             ws = ctx.pool.take(chunk.e - chunk.s, chunk.M, self.head_dim, table.dtype, table.device)
             torch.index_select(table, 0, chunk.ws_index, out=ws.view(-1, self.head_dim))
@@ -107,18 +120,42 @@ class Attention(nn.Module):
             else:
                 indices, lens = lay.static_indices(ci, chunk)
             o, _, _ = sparse_mla_prefill(q[chunk.q0:chunk.q1], ws.view(-1, 1, self.head_dim), indices.unsqueeze(1),
-                                         scale, attn_sink=self.attn_sink, topk_length=lens, backend=backend,
-                                         query_blocks=chunk.query_blocks)
+                                         self.head_dim ** -0.5, attn_sink=self.attn_sink, topk_length=lens,
+                                         backend=backend, query_blocks=chunk.query_blocks)
             if single:
                 out = o
             else:
                 out[chunk.q0:chunk.q1] = o
             ctx.count_chunk(ws)
-        # K = V carried RoPE: undo it on the output's rope slice at the query position.
-        out = Rope.apply(out, cos, -sin)
-        grouped = out.view(T, self.groups, -1)
-        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
-        return self.tp.all_reduce(self.wo_b(grouped_linear(grouped, w).flatten(1)))  # row-parallel wo_b
+        return out
+
+    def decode(self, x, q_res, q, kv, ctx, layer: int, backend: str) -> torch.Tensor:
+        """One token per running request (x [D, hidden], q [D, heads, head_dim], kv [D, head_dim])
+        -> [D, heads, head_dim]: its rows appended to the request's cache in place, then one
+        sparse-attention call over rows of the pool itself (entries, then the window)."""
+        io, pool = ctx.decode_io[self.ratio], ctx.cache
+        store = pool.kv[layer]
+        store.index_copy_(0, io.ring_write, kv)
+        if self.compressor is not None:
+            self.compressor.decode(x, io, pool.comp[layer], store[pool.entry_base:], ctx.comp_rope)
+        if self.indexer is not None:
+            self.indexer.compressor.decode(x, io, pool.idx_comp[layer], pool.idx[layer], ctx.comp_rope)
+            cos, sin = (t[:x.shape[0]] for t in ctx.rope_for(self.ratio))
+            iq, iw = self.indexer.queries(x, q_res, cos, sin)
+            keys = pool.idx[layer].index_select(0, io.key_rows).float()
+            width = min(self.indexer.topk, max(int(io.visible.max()), 1))
+            picks = self.indexer.select(iq, iw, keys, io.key_lo, io.visible, io.blocks, width, backend)
+            indices, lens = io.sparse(picks, self.indexer.topk)
+        else:
+            indices, lens = io.static
+        kv_rows = store
+        if not ctx.is_in_place:  # a backend that copies all of kv: hand it only the rows used
+            kv_rows = store.index_select(0, indices.clamp(min=0).flatten().long())
+            used = torch.arange(indices.numel(), device=indices.device, dtype=torch.int32).view_as(indices)
+            indices = torch.where(indices >= 0, used, -1)
+        o, _, _ = sparse_mla_prefill(q, kv_rows.unsqueeze(1), indices.unsqueeze(1), self.head_dim ** -0.5,
+                                     attn_sink=self.attn_sink, topk_length=lens, backend=backend)
+        return o
 
     def sparse_indices(self, chunk, lay, idx_table, iq, iw, backend: str = "auto"):
         """CSA combined indices for one chunk: each query's indexer top-k, then its window.

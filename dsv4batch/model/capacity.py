@@ -91,6 +91,33 @@ def step_activations(config, ratios, *, tp: int, max_model_len: int, max_batched
     return {**terms, "total": terms["residual"] + carried + max(phases.values())}
 
 
+def cache_budget(model_config, spec, *, max_num_seqs: int, max_model_len: int, max_batched_tokens: int,
+                 device, prefill_chunk_size: int = 4) -> int:
+    """The generation cache pool's default byte budget (`EngineConfig.max_cache_mib` None).
+
+    spec: the model's `cache.CacheSpec`. What `max_num_seqs` requests of `max_model_len`
+    positions hold, at most: on the CPU a quarter of the host's memory; on a GPU what it has free
+    now (weights loaded) less the planner's workspace and one step's activations, times 0.9
+    (vLLM's gpu_memory_utilization). Never below one such request (the pool then refuses it by
+    name if the memory is truly not there)."""
+    want = max_num_seqs * spec.request_bytes(max_model_len)
+    one = spec.request_bytes(max_model_len)
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        ratios = sorted(set(spec.ratios))
+        kw = dict(max_model_len=max_model_len, max_batched_tokens=max_batched_tokens, dtype_bytes=spec.dtype_bytes)
+        step = (workspace(model_config, ratios, prefill_chunk_size=prefill_chunk_size, **kw)["reserved"]
+                + step_activations(model_config, ratios, tp=1, **kw)["total"])
+        room = int(0.9 * free) - step
+    else:
+        import os
+
+        room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    return max(one, min(want, room))
+
+
 def config_ratios(config) -> list[int]:
     """Each layer's compress ratio (1 = sliding window only), from `layer_types`."""
     from .config import layer_ratio

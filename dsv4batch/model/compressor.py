@@ -46,10 +46,37 @@ class Compressor(nn.Module):
         # (src rows viewed as [2 * rows, d]) instead of gathering whole rows, slicing and concatenating
         win_kv = src_kv.view(-1, d).index_select(0, lay.slots.view(-1)).view(n, -1, d)
         win_gate = src_gate.view(-1, d).index_select(0, lay.slots.view(-1)).view(n, -1, d)
+        return self.pool_windows(win_kv, win_gate, lay.positions, rope), src_kv, src_gate
+
+    def pool_windows(self, win_kv: torch.Tensor, win_gate: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Entries [n, dim] of n closed windows: win_kv [n, slots, dim] (overwritten), win_gate
+        fp32 [n, slots, dim], positions [n] (each window's first position, its RoPE position)."""
         weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
         entries = self.norm(win_kv.mul_(weights).sum(dim=1))
-        cos, sin = rope.cos_sin(lay.positions)
-        return Rope.apply(entries, cos, sin), src_kv, src_gate
+        cos, sin = rope.cos_sin(positions)
+        return Rope.apply(entries, cos, sin)
+
+    def decode(self, x: torch.Tensor, io, state, entries: torch.Tensor, rope: Rope) -> None:
+        """One token per request (`cache_io.DecodeIO` io, positions io.positions): its row joins
+        its open window in `state` ((kv, gate) [slots, coff * r, coff * dim]); a window it
+        closes becomes an entry in `entries` [rows, dim] (its row io.close_rows) and, with
+        overlap, moves to the front of the state as the next window's previous one."""
+        kv_state, gate_state = (t.view(-1, t.shape[-1]) for t in state)
+        kv_state.index_copy_(0, io.state_write, self.wkv(x).to(kv_state.dtype))
+        gate_state.index_copy_(0, io.state_write, self.wgate(x).float() + self.ape[io.positions % self.ratio])
+        n = io.close.numel()
+        if n == 0:
+            return
+        d = self.dim
+        win_kv = kv_state.view(-1, d).index_select(0, io.close_halves.view(-1)).view(n, -1, d)
+        win_gate = gate_state.view(-1, d).index_select(0, io.close_halves.view(-1)).view(n, -1, d)
+        if self.overlap:  # a first window has no previous one: its slots weigh nothing
+            win_kv[:, :self.ratio].masked_fill_(io.close_first.view(n, 1, 1), 0.0)
+            win_gate[:, :self.ratio].masked_fill_(io.close_first.view(n, 1, 1), float("-inf"))
+        entries.index_copy_(0, io.close_rows, self.pool_windows(win_kv, win_gate, io.close_positions, rope))
+        if io.slide is not None and io.slide[0].numel():
+            kv_state.index_copy_(0, io.slide[1], kv_state.index_select(0, io.slide[0]))
+            gate_state.index_copy_(0, io.slide[1], gate_state.index_select(0, io.slide[0]))
 
 
 class Indexer(nn.Module):

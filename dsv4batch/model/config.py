@@ -48,6 +48,12 @@ class EngineConfig:
         ~2e-3, and more where logits are larger: each is rounded to bf16, 2^-9 of its size).
         bf16 logits tie more often, and a tie with the row's largest counts as greedy, so
         `is_greedy` can read higher than in fp32. CUDA ignores it.
+    max_num_seqs: requests generating at once (each holds a slot of the cache pool).
+    max_cache_mib: the generation cache pool's budget in MiB (`model/cache.py`: every running
+        request's window, compressed entries, open compressor windows and indexer keys); None:
+        `capacity.cache_budget` (what `max_num_seqs` requests of `max_model_len` need, within a
+        quarter of the host's memory on the CPU, or what the GPU has left after the step's
+        workspace and activations). Requests wait while it is full.
     """
 
     max_num_batched_tokens: int = 2048
@@ -58,9 +64,16 @@ class EngineConfig:
     logits_slice: int = 512
     attn_backend: str = "auto"
     head_precision: str = "fp32"
+    max_num_seqs: int = 64
+    max_cache_mib: float | None = None
 
     def __post_init__(self):
-        for name in ("max_num_batched_tokens", "max_model_len", "prefill_chunk_size", "logits_slice"):
+        mib = self.max_cache_mib
+        if mib is not None and (isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0
+                                or mib == float("inf")):
+            raise ValueError(f"EngineConfig.max_cache_mib must be a positive finite number or None, got {mib!r}")
+        for name in ("max_num_batched_tokens", "max_model_len", "prefill_chunk_size", "logits_slice",
+                     "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")

@@ -16,6 +16,7 @@ import torch
 
 from ..kernels import ENV_BACKEND, attention_backend, bf16_available, requested_backend
 from .attention import WorkspacePool
+from .cache import CachePool, CacheSpec
 from .config import EngineConfig
 from .head import TokenScores
 from .heap import retain_freed_memory
@@ -25,6 +26,26 @@ from .parallel import SINGLE
 from .stats import StepStats
 from .step import RequestState, StepContext, step_plans
 from .tokenizer import load_tokenizer, tokenizer_source
+
+
+# attention kernels that read a query's kv rows where they are (the torch path copies all of kv)
+IN_PLACE_KERNELS = ("cpu", "flashmla")
+
+
+def carried_lives(steps) -> dict:
+    """Requests whose positions span several of `steps` ([(state, start, end)] per step):
+    {("start", i): [states first fed in step i], ("end", i): [states last fed in step i]}."""
+    first, last = {}, {}
+    for i, segs in enumerate(steps):
+        for st, _, _ in segs:
+            first.setdefault(id(st), (i, st))
+            last[id(st)] = i
+    lives: dict = {}
+    for key, (i, st) in first.items():
+        if last[key] > i:
+            lives.setdefault(("start", i), []).append(st)
+            lives.setdefault(("end", last[key]), []).append(st)
+    return lives
 
 
 def validate(batch: Sequence[Sequence[int]], vocab: int, max_len: int) -> list[np.ndarray]:
@@ -54,6 +75,7 @@ class Engine:
     def __init__(self, model: DSv4Model, config: EngineConfig | None = None, tokenizer=None):
         self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
         self.pool = WorkspacePool()
+        self._generation_pool: CachePool | None = None
         if model is not None and self.device.type == "cpu":  # (the step tests schedule without a model)
             retain_freed_memory()
             if self.config.head_precision == "bf16" and self.head_precision == "fp32":
@@ -168,6 +190,9 @@ class Engine:
         model, device, tp = self.model, self.device, self.model.tp
         collective_s = tp.collective_s
         steps = list(self.schedule(states))
+        lives = carried_lives(steps)
+        cache = self.carry_pool(lives)
+        is_in_place = self.attn_kernel in IN_PLACE_KERNELS
         window = model.config.sliding_window
         # the chunk plan is the same on every rank (one latent KV head): rank 0 plans, one
         # broadcast per call shares it
@@ -176,16 +201,20 @@ class Engine:
         plans = tp.broadcast_object(plans)
         if len(plans) != len(steps):  # ranks cut the batch differently: never run unmatched collectives
             raise RuntimeError(f"rank {tp.rank} has {len(steps)} steps, rank 0 planned {len(plans)}")
-        for segs, plan in zip(steps, plans):
-            ctx = StepContext(segs, ratios=model.ratios, window=window, config=self.config,
-                              ropes=model.ropes, pool=self.pool, stats=stats, device=device, plans=plan)
+        for i, (segs, plan) in enumerate(zip(steps, plans)):
+            for st in lives.get(("start", i), ()):
+                st.cache = cache.allocate(len(st.ids))
+            ctx = StepContext(segs, ratios=model.ratios, window=window, config=self.config, ropes=model.ropes,
+                              pool=self.pool, stats=stats, device=device, plans=plan, cache=cache,
+                              is_in_place=is_in_place)
             hidden = model.hidden_step(ctx, self.config.attn_backend)
             targets = torch.from_numpy(np.concatenate([st.ids[s + 1:e + 1] for st, s, e in segs])).to(device)
             parts = [p.cpu().numpy() for p in head(hidden, targets)]
             for b, (st, s, e) in enumerate(segs):  # a request's steps come in position order
                 outputs[id(st)].append([p[ctx.cu[b]:ctx.cu[b + 1]] for p in parts])
-                if e == len(st.ids) - 1:
-                    st.layers = {}  # finished: drop carried tensors now
+            for st in lives.get(("end", i), ()):
+                cache.free(st.cache)
+                st.cache = None
         result = [None] * len(arrays)
         for st, i in zip(states, order):
             pieces = outputs[id(st)] or [self._nothing(head)]  # a lone bos: no position
@@ -194,6 +223,67 @@ class Engine:
         stats.collective_s = tp.collective_s - collective_s
         stats.peak_workspace_bytes = self.pool.peak_bytes
         return result, stats
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec.of(self.model.config, self.model.head.weight.element_size())
+
+    def carry_pool(self, lives: dict) -> CachePool | None:
+        """A `CachePool` just large enough for the requests `carried_lives` found spanning
+        steps (the most alive at once), or None when no request spans two steps."""
+        spec, alive, blocks, peak = self.cache_spec, 0, 0, (0, 0)
+        for i in range(1 + max((k[1] for k in lives), default=-1)):
+            for st in lives.get(("start", i), ()):
+                alive, blocks = alive + 1, blocks + spec.blocks_for(len(st.ids))
+            peak = (max(peak[0], alive), max(peak[1], blocks))
+            for st in lives.get(("end", i), ()):
+                alive, blocks = alive - 1, blocks - spec.blocks_for(len(st.ids))
+        if peak[0] == 0:
+            return None
+        return CachePool(spec, peak[0], peak[1], self.model.head.weight.dtype, self.device)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params=None, on_step=None) -> tuple[list, StepStats]:
+        """Generate a continuation of each prompt of token ids: (`generate.Generation` per prompt,
+        in order; `StepStats`). params: one `SamplingParams` for all, or one per prompt (None:
+        the defaults: greedy, 256 tokens). Continuous batching over the engine's cache pool
+        (`generate.py`; `on_step(stats, running, waiting)` after each step). `ValueError` naming
+        the first bad request."""
+        from .generate import run_generation, validate_generation
+        from .sampling import SamplingParams
+
+        arrays = self.validate(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(arrays)
+        validate_generation(arrays, list(params), self.model.config.vocab_size, self.config.max_model_len)
+        if not arrays:
+            return [], StepStats(model_calls=1)
+        return run_generation(self, arrays, list(params), on_step)
+
+    def generation_pool(self) -> CachePool:
+        """The cache pool of `generate` (allocated once, at the first call): `config.max_cache_mib`
+        or `capacity.cache_budget`, cut into slots and blocks by `CacheSpec.sizes`."""
+        if self._generation_pool is None:
+            from .capacity import cache_budget
+
+            spec, c = self.cache_spec, self.config
+            budget = int(c.max_cache_mib * 2**20) if c.max_cache_mib is not None else cache_budget(
+                self.model.config, spec, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
+                max_batched_tokens=c.max_num_batched_tokens, device=self.device,
+                prefill_chunk_size=c.prefill_chunk_size)
+            # every rank holds the same pool (one latent KV head): rank 0's sizes, so that every
+            # rank admits the same requests
+            slots, blocks = self.model.tp.broadcast_object(spec.sizes(budget, c.max_num_seqs, c.max_model_len))
+            self._generation_pool = CachePool(spec, slots, blocks, self.model.head.weight.dtype, self.device)
+        return self._generation_pool
+
+    def forward_step(self, segs, decodes, cache: CachePool | None, stats: StepStats) -> torch.Tensor:
+        """One packed step of decode tokens and prefill segments -> final hidden [T, hidden]
+        (decode rows first); plans its chunks (the same on every rank: numpy, deterministic)."""
+        model = self.model
+        ctx = StepContext(segs, decodes=decodes, ratios=model.ratios, window=model.config.sliding_window,
+                          config=self.config, ropes=model.ropes, pool=self.pool, stats=stats, device=self.device,
+                          cache=cache, is_in_place=self.attn_kernel in IN_PLACE_KERNELS)
+        return model.hidden_step(ctx, self.config.attn_backend)
 
     def score_tokens(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """`score(batch)`'s outputs alone."""

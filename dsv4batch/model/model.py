@@ -12,7 +12,7 @@ from torch import nn
 from .attention import Attention
 from .config import layer_ratio
 from .head import VOCAB_TILE, PackedHead, fused_scores, sliced_details, tiled_logprobs
-from .layers import Linear, MoE, RMSNorm, Rope, hc_collapse, hc_mixes, hc_post, hc_pre, sigmoid
+from .layers import Linear, MoE, RMSNorm, Rope, hc_collapse, hc_mixes, hc_post, hc_pre, linear, sigmoid
 from .parallel import SINGLE, check_split
 from .step import StepContext
 
@@ -38,10 +38,7 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, ctx: StepContext, layer: int, backend: str) -> torch.Tensor:
         """h [T, hc, hidden] -> [T, hc, hidden]."""
         post, comb, x = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args)
-        cache_out = {}
-        out = self.attn(self.attn_norm(x), ctx, ctx.cache_in(layer), cache_out, backend)
-        ctx.store(layer, cache_out)
-        h = hc_post(h, out, post, comb)
+        h = hc_post(h, self.attn(self.attn_norm(x), ctx, layer, backend), post, comb)
         post, comb, x = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc_args)
         return hc_post(h, self.ffn(self.ffn_norm(x), ctx.input_ids), post, comb)
 
@@ -106,6 +103,16 @@ class DSv4Model(nn.Module):
         inside = (local >= 0) & (local < self.embed.num_embeddings)
         rows = self.embed(local.clamp(0, self.embed.num_embeddings - 1))
         return self.tp.all_reduce(rows * inside.unsqueeze(1).to(rows.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> fp32 logits [n, vocab] over the whole vocabulary (the sampler's
+        input). One GEMM on at least `MIN_ROWS` rows (a row's logits do not depend on its
+        batch-mates); vocabulary-parallel: every rank gets all ranks' slices (all-gather)."""
+        weight = self.head.weight
+        out = linear(hidden.to(weight.dtype), weight).float()
+        if self.tp.size > 1:
+            out = self.tp.all_gather(out).permute(1, 0, 2).flatten(1)  # [T, n, V/T] -> [n, V]
+        return out
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, slice_rows: int,
                        precision: str = "fp32") -> torch.Tensor:

@@ -64,3 +64,14 @@ class StepStats(Stats):
     forward_s: float = 0.0  # wall time of the score calls
     collective_s: float = 0.0  # of which in tensor-parallel collectives (0 with one rank)
     peak_workspace_bytes: int = peak()  # largest chunk workspace
+    # generation (Engine.generate): tokens fed in prefill segments and as decode tokens, tokens
+    # sampled, the time of the steps split between the two by their token counts, queue and pool
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_generated: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    peak_running: int = peak()
+    peak_waiting: int = peak()
+    peak_cache_bytes: int = peak()
+    cache_capacity_bytes: int = peak()

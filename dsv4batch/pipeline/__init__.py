@@ -1,21 +1,27 @@
-"""The scoring pipeline on Ray Data.
+"""The pipeline on Ray Data: scoring and generation.
 
-`score(dataset, config)` appends the stages (tokenize -> `ScoringActor`) to any Ray Data dataset,
-`score_tokenized(dataset, config)` the scoring stage alone to a dataset of token-id requests;
-`run(config)` is the whole job behind `dsv4batch score` (read, score, write, metrics).
-Ray and torch are imported only when these are called.
+`score(dataset, config)` / `generate(dataset, config)` append the stages (tokenize -> replica
+actors) to any Ray Data dataset, `score_tokenized(dataset, config)` the scoring stage alone to a
+dataset of token-id requests; `run(config)` is the whole job behind `dsv4batch score|generate`
+(read, process, write, metrics). Ray and torch are imported only when these are called.
 """
 
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import GenerateConfig, ScoreConfig
 from dsv4batch.pipeline.errors import UsageError
 
-__all__ = ["ScoreConfig", "UsageError", "run", "score", "score_tokenized"]
+__all__ = ["GenerateConfig", "ScoreConfig", "UsageError", "generate", "run", "score", "score_tokenized"]
 
 
 def score(dataset, config, **kwargs):
     from dsv4batch.pipeline.graph import score as _score
 
     return _score(dataset, config, **kwargs)
+
+
+def generate(dataset, config, **kwargs):
+    from dsv4batch.pipeline.graph import generate as _generate
+
+    return _generate(dataset, config, **kwargs)
 
 
 def score_tokenized(dataset, config, **kwargs):

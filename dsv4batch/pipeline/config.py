@@ -1,216 +1,228 @@
-"""`ScoreConfig`: the one validated configuration, from the CLI down to every pipeline stage.
+"""The job configurations: one validated object from the CLI down to every pipeline stage.
 
-Every field is documented in its metadata (the CLI's `--help` is generated from it), values are
-checked in `__post_init__`, and `ScoreConfig.from_dict` rejects unknown fields by name. The object
-is frozen and picklable, so Ray ships the same instance to tokenize tasks and scoring actors.
+`JobConfig` holds what every job shares (INPUT and OUTPUT, the model, the engine, resources,
+faults); `ScoreConfig` adds what scoring reads and writes, `GenerateConfig` generation's
+sampling defaults and cache. They are pydantic models, as ray.data.llm's configs are: every
+field typed and documented (`description`; `--help` is generated from it, grouped by
+`json_schema_extra["group"]`; fields marked `cli: False` are Python-only: benchmark and debug
+knobs), unknown fields refused with a suggestion, every value checked on construction (a bad one
+raises `UsageError` naming the field); frozen and picklable, so Ray ships one object to every
+task and actor.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import math
-import typing
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal, Optional
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dsv4batch.model.config import ATTN_BACKENDS, HEAD_PRECISIONS  # no torch
 from dsv4batch.pipeline.errors import UsageError
 from dsv4batch.pipeline.formats import FORMATS
-from dsv4batch.pipeline.schema import output_names
-from dsv4batch.model.config import HEAD_PRECISIONS  # no torch
+from dsv4batch.pipeline.schema import generate_output_names, output_names
 from dsv4batch.planner import PLANNER_NAMES  # numpy only: no torch
 
+FORMAT_NAMES = tuple(FORMATS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATE = ("none", "left", "right")
 WEIGHTS = ("stored", "compute")
 STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement group strategies
+GROUPS = {"run": "run", "model": "model", "columns": "columns and outputs", "generation": "generation",
+          "engine": "engine", "resources": "resources and Ray Data", "faults": "fault tolerance"}
 
 
-def _f(default: Any, help: str, *, choices: tuple | None = None, group: str = "scoring",
-       flag: str | None = None, min: float | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "group": group,
-                                            "flag": flag, "min": min})
+def _f(default: Any, help: str, *, group: str = "columns", cli: bool = True, **kw) -> Any:
+    """A documented field: `help` is its --help text, `group` its --help section."""
+    return Field(default, description=help, json_schema_extra={"group": group, "cli": cli}, **kw)
 
 
-@dataclass(frozen=True)
-class ScoreConfig:
-    # -- run: used by the runner (`dsv4batch score`), ignored by `pipeline.score(dataset, config)`
-    input: str | None = _f(None, "Parquet, JSONL or CSV file, folder of them or glob (any "
-                           "filesystem pyarrow can open).", group="run")
-    input_format: str | None = _f(None, "Format of INPUT's files; None: by extension (.parquet "
-                                  ".pq .parq; .jsonl .json: one JSON object per line; .csv "
-                                  "with a header row). Output is always Parquet.",
-                                  choices=(None, *FORMATS), group="run")
-    output: str | None = _f(None, "Output folder: Parquet part files plus _metrics.json.",
-                            group="run")
-    overwrite: bool = _f(False, "Replace the files of a previous run in OUTPUT (only files "
-                         "dsv4batch wrote; anything else makes the run refuse).", group="run")
-    resume: bool = _f(False, "Continue the run in OUTPUT: rows whose id its part files already "
-                      "hold are skipped, the rest is scored into new part files. Refused when "
-                      "the model, columns or scoring options differ from OUTPUT/_job.json.",
-                      group="run")
-    rows_per_file: int = _f(10_000, "Rows gathered into one part file (Ray Data's "
-                            "min_rows_per_write). A killed run keeps every finished file; "
-                            "--resume redoes only the rows of files not yet written.",
-                            group="run", min=1)
-    ray_address: str | None = _f(None, "Ray cluster to join (e.g. 'auto', 'ray://host:10001'); "
-                                 "default: RAY_ADDRESS, else start a local Ray.", group="run")
+class JobConfig(BaseModel):
+    """What every dsv4batch job shares; see `ScoreConfig` and `GenerateConfig`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+    task: str = "job"  # overridden by each job's class (not a field users set)
+
+    # -- run: used by the runner (`dsv4batch score|generate`), ignored by the Python graph API
+    input: Optional[str] = _f(None, "Parquet, JSONL or CSV file, folder of them or glob (any filesystem pyarrow "
+                              "can open).", group="run")
+    input_format: Optional[Literal[FORMAT_NAMES]] = _f(None, "Format of INPUT's files; None: by extension (.parquet "
+                                                  ".pq .parq; .jsonl .json: one JSON object per line; .csv with a "
+                                                  "header row). Output is always Parquet.", group="run")
+    output: Optional[str] = _f(None, "Output folder: Parquet part files plus _job.json, _metrics.json and "
+                               "_SUCCESS.", group="run")
+    overwrite: bool = _f(False, "Replace the files of a previous run in OUTPUT (only files dsv4batch wrote; "
+                         "anything else makes the run refuse).", group="run")
+    resume: bool = _f(False, "Continue the run in OUTPUT: rows whose id its part files already hold are "
+                      "skipped, the rest is processed into new part files. Refused when the model, columns "
+                      "or options that change a row's result differ from OUTPUT/_job.json.", group="run")
+    rows_per_file: int = _f(10_000, "Rows gathered into one part file (Ray Data's min_rows_per_write). A killed "
+                            "run keeps every finished file; --resume redoes only the rows of files not yet "
+                            "written.", group="run", ge=1)
+    ray_address: Optional[str] = _f(None, "Ray cluster to join (e.g. 'auto', 'ray://host:10001'); default: "
+                                    "RAY_ADDRESS, else start a local Ray.", group="run")
     progress: bool = _f(True, "Show live progress (rows, tokens/s) on stderr.", group="run")
-    allow_device_change: bool = _f(False, "Let --resume continue on another device kind or "
-                                   "compute dtype than the one recorded in OUTPUT/_job.json "
-                                   "(the dataset then mixes precisions).", group="run")
+    allow_device_change: bool = _f(False, "Let --resume continue on another device kind or compute dtype than "
+                                   "the one recorded in OUTPUT/_job.json (the dataset then mixes precisions).",
+                                   group="run")
     # -- model
-    model: str = _f("tiny", "Checkpoint folder (transformers save_pretrained layout with "
-                    "tokenizer.json) or 'tiny'.", group="model")
-    dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on CUDA, float32 on CPU.",
-                    choices=DTYPES, group="model")
-    weights_dtype: str = _f("stored", "Native FP8/FP4 checkpoint weights: 'stored' keeps them "
-                            "quantized in memory (block-scaled matmuls), 'compute' dequantizes "
-                            "them to --dtype at load (2-4x the memory).", choices=WEIGHTS,
-                            group="model")
-    # -- columns and scoring
-    text_column: str = _f("prompt", "Column with the text (prompt) to score.")
-    target_column: str | None = _f(None, "Optional column with a continuation: only its tokens "
-                                   "are scored, conditioned on the prompt (log-likelihood).")
-    id_column: str = _f("id", "Column with unique row ids; when the input has no such column, "
-                        "ids '<file>:<row>' are derived from file and row position.")
-    keep_columns: tuple[str, ...] = _f((), "Input columns to carry through to the output "
-                                       "(comma-separated on the CLI).")
-    token_logprobs: bool = _f(False, "Also write token_logprobs (list<float32>) per row.")
-    top_logprobs: int = _f(0, "Also write the K most likely tokens at every scored position: "
-                           "top_ids (list<list<int32>>) and top_logprobs (list<list<float32>>, "
-                           "descending). 0: not written.", min=0)
-    truncate: str = _f("none", "Rows longer than max_model_len tokens: 'none' answers them with "
-                       "an error, 'left' drops their first tokens (bos stays), 'right' their "
-                       "last; column truncated_tokens counts what was dropped.", choices=TRUNCATE)
+    model: str = _f("tiny", "Checkpoint folder (transformers save_pretrained layout with tokenizer.json) or "
+                    "'tiny'.", group="model")
+    dtype: Literal[DTYPES] = _f("auto", "Compute dtype; auto = bfloat16 on CUDA, float32 on CPU.", group="model")
+    weights_dtype: Literal[WEIGHTS] = _f("stored", "Native FP8/FP4 checkpoint weights: 'stored' keeps them "
+                                         "quantized in memory (block-scaled matmuls), 'compute' dequantizes them "
+                                         "to --dtype at load (2-4x the memory).", group="model")
+    # -- columns
+    text_column: str = _f("prompt", "Column with the text (prompt) of each row.")
+    id_column: str = _f("id", "Column with unique row ids; when the input has no such column, ids "
+                        "'<file>:<row>' are derived from file and row position.")
+    keep_columns: tuple[str, ...] = _f((), "Input columns to carry through to the output (comma-separated "
+                                       "on the CLI).")
     # -- engine (DSv4Model EngineConfig)
-    max_batched_tokens: int = _f(2048, "Query tokens per forward step; long requests span "
-                                 "steps, short ones share one.", group="engine", min=1)
-    max_model_len: int = _f(8192, "Longest request in tokens (bos + prompt + target); longer "
-                            "rows get an error instead of a score.", group="engine", min=2)
-    prefill_chunk_size: int | None = _f(None, "Planner workspace budget in requests of maximal "
-                                        "length (None: the engine's default).", group="engine",
-                                        min=1)
-    planner: str = _f("adaptive", "Prefill chunk planner (adaptive: vllm#45061; fixed: chunks of "
-                      "prefill_chunk_size).", choices=PLANNER_NAMES, group="engine")
-    sort_by_length: bool = _f(True, "Let the engine sort a batch's requests by length.",
-                              group="engine")
-    head_precision: str = _f("fp32", "The vocabulary head's GEMM on the CPU backend: 'fp32' "
-                             "(exact to fp32 rounding) or 'bf16' (opt-in, where the CPU has "
-                             "AVX512-BF16 or AMX, else fp32 with a warning: bf16 products summed "
-                             "in fp32, each logit rounded to bf16, the softmax in fp32; 1.2-1.5x "
-                             "end to end, logprobs within ~1e-2 of fp32 on the seeded models, "
-                             "more with larger logits; ties at the max count as greedy, so "
-                             "is_greedy can read higher). CUDA ignores it.",
-                             choices=HEAD_PRECISIONS, group="engine")
+    max_batched_tokens: int = _f(2048, "Query tokens per forward step; long requests span steps, short ones "
+                                 "share one.", group="engine", ge=1)
+    max_model_len: int = _f(8192, "Longest request in tokens; longer rows get an error instead of a result.",
+                            group="engine", ge=2)
+    prefill_chunk_size: Optional[int] = _f(None, "Planner workspace budget in requests of maximal length "
+                                           "(None: the engine's default, vLLM's 4).", group="engine", ge=1)
+    attn_backend: Literal[ATTN_BACKENDS] = _f("auto", "Sparse attention kernel: auto (FlashMLA on a GPU that "
+                                              "fits it, else the CPU kernel where it builds, else torch), or "
+                                              "force torch / cpu / flashmla (refused where it cannot run).",
+                                              group="engine")
+    head_precision: Literal[HEAD_PRECISIONS] = _f(
+        "fp32", "The vocabulary head's GEMM on the CPU backend: 'fp32' (exact to fp32 rounding) or 'bf16' "
+        "(opt-in, where the CPU has AVX512-BF16 or AMX, else fp32 with a warning: bf16 products summed in fp32, "
+        "each logit rounded to bf16, the softmax in fp32; 1.2-1.5x end to end, logprobs within ~1e-2 of fp32 on "
+        "the seeded models, more with larger logits; ties at the max count as greedy, so is_greedy can read "
+        "higher). CUDA ignores it.", group="engine")
+    planner: Literal[PLANNER_NAMES] = _f("adaptive", "Prefill chunk planner (adaptive: vllm#45061; fixed, dp, "
+                                         "single: the baselines of `python -m dsv4batch.bench planner`).",
+                                         group="engine", cli=False)
+    sort_by_length: bool = _f(True, "Let the engine sort a batch's requests by length (scoring).",
+                              group="engine", cli=False)
     # -- resources and Ray Data
-    replicas: int = _f(1, "Number of scoring actors (model replicas, data parallel).",
-                       group="resources", min=1)
-    tp: int = _f(1, "Ranks per replica (tensor + expert parallel): the replica's scoring actor "
-                 "owns a placement group of TP bundles, one rank worker each, joined in one "
-                 "torch.distributed group (NCCL on CUDA, gloo on CPU); each rank holds its "
-                 "slice of the weights. GPUs used = replicas x tp x gpus_per_replica.",
-                 group="resources", min=1)
-    placement_strategy: str = _f("PACK", "Ray placement strategy of a --tp > 1 replica's bundles "
-                                 "(PACK: one node when it can; STRICT_PACK: one node or wait).",
-                                 choices=STRATEGIES, group="resources")
-    gpus_per_replica: float | None = _f(None, "GPUs per rank of a replica (per actor at --tp 1); "
-                                        "None: 1 when the cluster has GPUs, else 0 (CPU "
-                                        "backend).", group="resources", min=0)
-    cpus_per_replica: float | None = _f(None, "CPUs reserved per rank of a replica (per actor "
-                                        "at --tp 1); None: 1 with GPUs, 0.5 on the CPU backend "
-                                        "(fractions leave room for read/write tasks on small "
-                                        "machines).", group="resources", min=0)
-    torch_threads: int | None = _f(None, "torch intra-op threads in each actor on the CPU "
-                                   "backend (None: Ray's default for the actor).",
-                                   group="resources", min=1)
-    batch_size: int = _f(32, "Rows per Ray Data batch sent to an actor.", group="resources",
-                         min=1)
-    batches_in_flight: int = _f(2, "Batches queued per actor (>= 2 overlaps data transfer "
-                                "with compute).", group="resources", min=1)
-    tokenize_batch_size: int = _f(256, "Rows per tokenize batch.", group="resources", min=1)
-    tokenize_num_cpus: float = _f(0.25, "CPUs reserved per tokenize actor.", group="resources",
-                                  min=0)
-    tokenize_concurrency: int = _f(2, "Most tokenize actors (the pool autoscales from 1).",
-                                   group="resources", min=1)
+    replicas: int = _f(1, "Number of model replicas (data parallel actors).", group="resources", ge=1)
+    tp: int = _f(1, "Ranks per replica (tensor + expert parallel): the replica's actor owns a placement group "
+                 "of TP bundles, one rank worker each, joined in one torch.distributed group (NCCL on CUDA, "
+                 "gloo on CPU); each rank holds its slice of the weights. GPUs used = replicas x tp x "
+                 "gpus_per_replica.", group="resources", ge=1)
+    placement_strategy: Literal[STRATEGIES] = _f("PACK", "Ray placement strategy of a --tp > 1 replica's "
+                                                 "bundles (PACK: one node when it can; STRICT_PACK: one node or "
+                                                 "wait).", group="resources")
+    gpus_per_replica: Optional[float] = _f(None, "GPUs per rank of a replica (per actor at --tp 1); None: 1 when "
+                                           "the cluster has GPUs, else 0 (CPU backend).", group="resources", ge=0)
+    cpus_per_replica: Optional[float] = _f(None, "CPUs reserved per rank of a replica (per actor at --tp 1); "
+                                           "None: 1 with GPUs, else 0.5 (fractions leave room for read/write "
+                                           "tasks on small machines).", group="resources", ge=0)
+    torch_threads: Optional[int] = _f(None, "torch intra-op threads in each actor on the CPU backend (None: "
+                                      "Ray's default for the actor).", group="resources", ge=1)
+    batch_size: int = _f(32, "Rows per Ray Data batch sent to an actor.", group="resources", ge=1)
+    batches_in_flight: int = _f(2, "Batches queued per actor (>= 2 overlaps data transfer with compute).",
+                                group="resources", ge=1)
+    tokenize_batch_size: int = _f(256, "Rows per tokenize batch.", group="resources", ge=1)
+    tokenize_num_cpus: float = _f(0.25, "CPUs reserved per tokenize actor.", group="resources", ge=0)
+    tokenize_concurrency: int = _f(2, "Most tokenize actors (the pool autoscales from 1).", group="resources",
+                                   ge=1)
     max_block_mib: float = _f(4.0, "Largest Ray Data block, in MiB (the dataset's "
-                              "DataContext.target_max_block_size): read and tokenize stream "
-                              "blocks of at most this size, so an actor's memory does not grow "
-                              "with the input. Ray's default, 128 MiB, is millions of short "
-                              "prompts per block (Ray's Parquet reader packs small files and row "
-                              "groups into one read task and ignores override_num_blocks).",
-                              group="resources", min=0.0625)
-    max_buffered_mib: float | None = _f(None, "Ray Data's object store budget for the run "
-                                        "(ExecutionOptions.resource_limits): how much read, "
-                                        "tokenized and scored data may wait between steps. "
-                                        "Without it the tokenizer runs ahead of the model "
-                                        "through the whole input, and small blocks (< 100 KiB) "
-                                        "wait in the driver's memory. None: 4 x max_block_mib "
-                                        "+ 16 per replica.", group="resources", min=1)
-    gpu_memory_gib: float | None = _f(None, "Memory of one GPU, for the capacity check before any "
-                                      "actor starts (`dsv4batch plan`'s arithmetic: a replica "
-                                      "whose weights, workspace and activations do not fit is "
-                                      "refused). None: from Ray's accelerator_type when it is a "
-                                      "known GPU, else no check.", group="resources", min=0.001)
-    wait_for_resources: bool = _f(False, "Start even when the cluster lacks the GPUs or CPUs "
-                                  "the replicas need right now (an autoscaler will add nodes); "
-                                  "without it such a run is refused up front.",
-                                  group="resources")
+                              "DataContext.target_max_block_size): read and tokenize stream blocks of at most "
+                              "this size, so an actor's memory does not grow with the input. Ray's default, 128 "
+                              "MiB, is millions of short prompts per block.", group="resources", ge=0.0625)
+    max_buffered_mib: Optional[float] = _f(None, "Ray Data's object store budget for the run "
+                                           "(ExecutionOptions.resource_limits): how much read, tokenized and "
+                                           "finished data may wait between steps. None: 4 x max_block_mib + 16 "
+                                           "per replica.", group="resources", ge=1)
+    gpu_memory_gib: Optional[float] = _f(None, "Memory of one GPU, for the capacity check before any actor "
+                                         "starts (`dsv4batch plan`'s arithmetic). None: from Ray's "
+                                         "accelerator_type when it is a known GPU, else no check.",
+                                         group="resources", ge=0.001)
+    wait_for_resources: bool = _f(False, "Start even when the cluster lacks the GPUs or CPUs the replicas need "
+                                  "right now (an autoscaler will add nodes); without it such a run is refused up "
+                                  "front.", group="resources")
     # -- faults
-    max_errored_rows: int | None = _f(None, "Most rows whose scoring failed (a batch that kept "
-                                      "failing, an engine error) before the job stops (exit 1); "
-                                      "input problems such as null or too-long text are answers "
-                                      "and do not count. None: 0.1% of the rows to score, rounded "
-                                      "up (the Python API: unlimited).", group="faults", min=0)
-    max_batch_attempts: int = _f(3, "Attempts at a batch (actor crashes and engine exceptions "
-                                 "included) before its rows get an error instead of a score.",
-                                 group="faults", min=1)
-    max_actor_restarts: int = _f(4, "Times Ray restarts a scoring actor whose process died "
-                                 "(crash, OOM kill, lost node), its batches retried on the new "
-                                 "one; then the job stops (resume it). -1: unlimited, which also "
-                                 "restarts an actor that dies while loading the model forever. "
-                                 "A model that raises while loading stops the job at once.",
-                                 group="faults", min=-1)
+    max_errored_rows: Optional[int] = _f(None, "Most rows whose processing failed (a batch that kept failing, "
+                                         "an engine error) before the job stops (exit 1); input problems such "
+                                         "as null or too-long text are answers and do not count. None: 0.1% of "
+                                         "the rows to process, rounded up (the Python API: unlimited).",
+                                         group="faults", ge=0)
+    max_batch_attempts: int = _f(3, "Attempts at a batch (actor crashes and engine exceptions included) before "
+                                 "its rows get an error instead of a result.", group="faults", ge=1)
+    max_actor_restarts: int = _f(4, "Times Ray restarts an actor whose process died (crash, OOM kill, lost "
+                                 "node), its batches retried on the new one; then the job stops (resume it). -1: "
+                                 "unlimited, which also restarts an actor that dies while loading the model "
+                                 "forever. A model that raises while loading stops the job at once.",
+                                 group="faults", ge=-1)
+    collective_timeout_s: float = _f(300.0, "A collective between the ranks of a --tp replica (one rank dead or "
+                                     "stopped) fails after this many seconds; the replica's ranks are restarted "
+                                     "and the batch retried.", group="faults", ge=1)
+    batch_timeout_s: float = _f(1800.0, "A batch still running after this many seconds (a stopped or hung "
+                                "actor) has its actor killed; Ray restarts it and the batch is retried like a "
+                                "crash.", group="faults", ge=1)
 
-    collective_timeout_s: float = _f(300.0, "A collective between the ranks of a --tp replica "
-                                     "(one rank dead or stopped) fails after this many seconds; "
-                                     "the replica's ranks are restarted and the batch retried.",
-                                     group="faults", min=1)
-    batch_timeout_s: float = _f(1800.0, "A batch still running after this many seconds (a "
-                                "stopped or hung actor) has its actor killed; Ray restarts it "
-                                "and the batch is retried like a crash.", group="faults", min=1)
+    # the fields that change what a row's output is (recorded per run, checked on resume)
+    RESULT_FIELDS: ClassVar[tuple[str, ...]] = ("model", "dtype", "text_column", "id_column", "keep_columns", "max_model_len",
+                     "head_precision")
 
-    def __post_init__(self) -> None:
-        if isinstance(self.keep_columns, (list, str)):
-            kc = self.keep_columns.split(",") if isinstance(self.keep_columns, str) else self.keep_columns
-            object.__setattr__(self, "keep_columns", tuple(c.strip() for c in kc if c.strip()))
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, int) and not isinstance(value, bool) and _allows(hints[f.name], float):
-                object.__setattr__(self, f.name, value := float(value))
-            if not _isinstance(value, hints[f.name]):
-                raise UsageError(f"config field {f.name!r}: expected {_tname(hints[f.name])}, "
-                                 f"got {value!r}")
-            choices, lo = f.metadata["choices"], f.metadata["min"]
-            if choices and value not in choices:
-                raise UsageError(f"config field {f.name!r}: {value!r} is not one of {choices}")
-            if isinstance(value, float) and not math.isfinite(value):
-                raise UsageError(f"config field {f.name!r}: must be a finite number, got {value!r}")
-            if lo is not None and value is not None and value < lo:
-                raise UsageError(f"config field {f.name!r}: must be >= {lo}, got {value!r}")
+    def __init__(self, **values: Any):
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise UsageError(explain(exc, type(self))) from None
+
+    @field_validator("keep_columns", mode="before")
+    @classmethod
+    def _split_columns(cls, value):
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list):
+            value = tuple(c.strip() for c in value if isinstance(c, str) and c.strip()) \
+                if all(isinstance(c, str) for c in value) else tuple(value)
+        return value
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _ints_are_floats(cls, value, info):
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, int) and not isinstance(value, bool) and annotation in (float, Optional[float]):
+            return float(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_together(self):
         if self.resume and self.overwrite:
-            raise UsageError("--resume continues the run in OUTPUT, --overwrite replaces it: "
-                             "give one of them")
-        if self.target_column is not None and self.target_column == self.text_column:
-            raise UsageError("target_column must differ from text_column")
+            raise ValueError("--resume continues the run in OUTPUT, --overwrite replaces it: give one of them")
+        if set(self.row_columns()) & set(self.text_columns()) or self.id_column in self.row_columns():
+            raise ValueError(f"the columns {self.row_columns()} must differ from the text and id columns")
         if self.id_column in self.keep_columns:
-            raise UsageError(f"keep_columns: the id column {self.id_column!r} is always written "
-                             "(as 'id'); do not list it")
-        clash = set(self.keep_columns) & set(output_names(True, True, 1))
+            raise ValueError(f"keep_columns: the id column {self.id_column!r} is always written (as 'id'); do "
+                             "not list it")
+        clash = set(self.keep_columns) & set(self.output_columns(every=True))
         if clash:
-            raise UsageError(f"keep_columns {sorted(clash)} clash with output columns; rename "
-                             "them in the input")
+            raise ValueError(f"keep_columns {sorted(clash)} clash with output columns; rename them in the input")
+        return self
+
+    def output_columns(self, every: bool = False) -> list[str]:
+        """The job's output columns (kept columns not included); `every`: all it can write."""
+        raise NotImplementedError
+
+    def text_columns(self) -> tuple[str, ...]:
+        """The input columns of text the tokenizer reads."""
+        return (self.text_column,)
+
+    def row_columns(self) -> tuple[str, ...]:
+        """Other input columns the model's step reads per row (carried past the tokenizer)."""
+        return ()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "JobConfig":
+        """Build from a mapping; unknown keys are refused with a suggestion."""
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> "JobConfig":
+        return type(self)(**{**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.model_dump(exclude={"task"})
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
     def compute(self) -> dict[str, str]:
         """{"device": "cuda" | "cpu", "dtype": the resolved compute dtype} the replicas use
@@ -225,39 +237,165 @@ class ScoreConfig:
             mib = 4 * self.max_block_mib + 16 * self.replicas
         return int(mib * 2**20)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ScoreConfig":
-        """Build from a mapping; unknown keys are rejected with a suggestion."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in d:
-            if key not in known:
-                hint = difflib.get_close_matches(key, known, n=1)
-                raise UsageError(f"unknown config field {key!r}"
-                                 + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-        return cls(**d)
-
-    def replace(self, **changes: Any) -> "ScoreConfig":
-        return self.from_dict({**self.to_dict(), **changes})
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["keep_columns"] = list(self.keep_columns)
-        return d
-
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `dsv4batch.model.EngineConfig`."""
         kw = dict(max_num_batched_tokens=self.max_batched_tokens, max_model_len=self.max_model_len,
-                  planner=self.planner, sort_by_length=self.sort_by_length,
-                  head_precision=self.head_precision)
+                  planner=self.planner, sort_by_length=self.sort_by_length, head_precision=self.head_precision,
+                  attn_backend=self.attn_backend)
         if self.prefill_chunk_size is not None:
             kw["prefill_chunk_size"] = self.prefill_chunk_size
         return kw
 
     def result_fields(self) -> dict[str, Any]:
         """The fields that change what a row's output is (recorded per run, checked on resume)."""
-        keys = ("model", "dtype", "text_column", "target_column", "id_column", "keep_columns",
-                "token_logprobs", "top_logprobs", "max_model_len", "truncate", "head_precision")
-        return {k: v for k, v in self.to_dict().items() if k in keys}
+        d = {**self.to_dict(), "task": self.task}
+        return {k: d[k] for k in ("task", *self.RESULT_FIELDS)}
+
+
+class ScoreConfig(JobConfig):
+    """`dsv4batch score`: the log-probabilities of each row's tokens."""
+
+    task: Literal["score"] = "score"
+    target_column: Optional[str] = _f(None, "Optional column with a continuation: only its tokens are scored, "
+                                      "conditioned on the prompt (log-likelihood).")
+    token_logprobs: bool = _f(False, "Also write token_logprobs (list<float32>) per row.")
+    top_logprobs: int = _f(0, "Also write the K most likely tokens at every scored position: top_ids "
+                           "(list<list<int32>>) and top_logprobs (list<list<float32>>, descending). 0: not "
+                           "written.", ge=0)
+    truncate: Literal[TRUNCATE] = _f("none", "Rows longer than max_model_len tokens: 'none' answers them with an "
+                                     "error, 'left' drops their first tokens (bos stays), 'right' their last; "
+                                     "column truncated_tokens counts what was dropped.")
+
+    RESULT_FIELDS: ClassVar[tuple[str, ...]] = (*JobConfig.RESULT_FIELDS, "target_column", "token_logprobs", "top_logprobs", "truncate")
+
+    @model_validator(mode="after")
+    def _check_target(self):
+        if self.target_column is not None and self.target_column == self.text_column:
+            raise ValueError("target_column must differ from text_column")
+        return self
+
+    def text_columns(self) -> tuple[str, ...]:
+        return (self.text_column, *([self.target_column] if self.target_column else []))
+
+    def output_columns(self, every: bool = False) -> list[str]:
+        if every:
+            return output_names(True, True, 1)
+        return output_names(self.token_logprobs, self.truncate != "none", self.top_logprobs)
+
+
+class GenerateConfig(JobConfig):
+    """`dsv4batch generate`: a continuation of each row's prompt (continuous batching)."""
+
+    task: Literal["generate"] = "generate"
+    sampling_params_column: Optional[str] = _f(None, "Column with per-row sampling parameters (a struct or a "
+                                               "JSON object with fields of the options below, e.g. "
+                                               "{\"temperature\": 0.7, \"max_tokens\": 64}); a row's null fields "
+                                               "take the options' values.")
+    max_tokens: int = _f(256, "Most tokens to generate per row.", group="generation", ge=1)
+    temperature: float = _f(0.0, "0: greedy (ties to the lowest token id); > 0: sample from softmax(logits / "
+                            "temperature).", group="generation", ge=0)
+    top_p: float = _f(1.0, "Sample among the most likely tokens whose mass reaches top_p, in (0, 1].",
+                      group="generation", gt=0, le=1)
+    top_k: int = _f(0, "Sample among the k most likely tokens; 0 or -1: all.", group="generation", ge=-1)
+    min_p: float = _f(0.0, "Sample among tokens with probability >= min_p x the largest, in [0, 1].",
+                      group="generation", ge=0, le=1)
+    seed: int = _f(0, "Run seed: a row without its own seed samples with a seed derived from this and its id, "
+                   "so its output never depends on its batch, replica or a resume.", group="generation", ge=0)
+    stop: tuple[str, ...] = _f((), "Strings that end a row's generation; the text is cut before the first one "
+                               "(comma-separated on the CLI; use --sampling-params-column for strings with "
+                               "commas).", group="generation")
+    stop_token_ids: tuple[int, ...] = _f((), "Token ids that end a row's generation (comma-separated).",
+                                         group="generation")
+    ignore_eos: bool = _f(False, "Go on past the end-of-sentence token (until max_tokens or a stop).",
+                          group="generation")
+    logprobs: bool = _f(False, "Also write generated_logprobs (list<float32>): each generated token's logprob "
+                        "under the model.")
+    top_logprobs: int = _f(0, "Also write top_ids / top_logprobs: the K most likely tokens at every generated "
+                           "position. 0: not written.", ge=0)
+    max_num_seqs: int = _f(64, "Requests generating at once per replica (continuous batching).",
+                           group="engine", ge=1)
+    max_cache_mib: Optional[float] = _f(None, "The cache pool's budget per replica in MiB (every running "
+                                        "request's window, compressed entries and indexer keys); requests wait "
+                                        "while it is full. None: what max_num_seqs requests of max_model_len "
+                                        "need, within a quarter of the host's memory (CPU) or what the GPU has "
+                                        "left (`dsv4batch plan`).", group="engine", gt=0)
+    batch_size: int = _f(256, "Rows per Ray Data batch sent to an actor (its requests are batched "
+                         "continuously within it).", group="resources", ge=1)
+
+    RESULT_FIELDS: ClassVar[tuple[str, ...]] = (*JobConfig.RESULT_FIELDS, "sampling_params_column", "max_tokens", "temperature", "top_p",
+                     "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs")
+
+    @field_validator("stop", "stop_token_ids", mode="before")
+    @classmethod
+    def _split_list(cls, value, info):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+            if info.field_name == "stop_token_ids":
+                try:
+                    value = [int(v) for v in value]
+                except ValueError:
+                    raise ValueError("stop_token_ids must be comma-separated integers") from None
+        return tuple(value) if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _check_sampling(self):
+        self.sampling_defaults()  # the model's own checks (e.g. an empty stop string)
+        return self
+
+    def sampling_defaults(self):
+        """The options as the model's `SamplingParams` (every row's defaults)."""
+        from dsv4batch.model.sampling import SamplingParams
+
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, top_logprobs=self.top_logprobs)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kw = super().engine_kwargs()
+        return {**kw, "max_num_seqs": self.max_num_seqs, "max_cache_mib": self.max_cache_mib}
+
+    def row_columns(self) -> tuple[str, ...]:
+        return (self.sampling_params_column,) if self.sampling_params_column else ()
+
+    def output_columns(self, every: bool = False) -> list[str]:
+        if every:
+            return generate_output_names(True, 1)
+        return generate_output_names(self.logprobs, self.top_logprobs)
+
+
+JOBS = {"score": ScoreConfig, "generate": GenerateConfig}
+
+
+def cli_fields(cls) -> dict:
+    """{name: FieldInfo} of the fields `dsv4batch <job>` has an option for, in order."""
+    return {name: f for name, f in cls.model_fields.items()
+            if name != "task" and (f.json_schema_extra or {}).get("cli", True)}
+
+
+def explain(exc: ValidationError, cls) -> str:
+    """One line per pydantic error, naming the field: 'config field 'x': must be >= 1, got 0'."""
+    lines = []
+    for err in exc.errors(include_url=False):
+        field = ".".join(str(p) for p in err["loc"]) or None
+        value, kind, ctx = err.get("input"), err["type"], err.get("ctx") or {}
+        if kind == "extra_forbidden":
+            hint = difflib.get_close_matches(field, list(cls.model_fields), n=1)
+            lines.append(f"unknown config field {field!r}" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+            continue
+        if kind == "literal_error":
+            text = f"{value!r} is not one of {ctx.get('expected')}"
+        elif kind in ("greater_than_equal", "greater_than", "less_than_equal"):
+            op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<="}[kind]
+            limit = ctx.get("ge", ctx.get("gt", ctx.get("le")))
+            text = f"must be {op} {limit}, got {value!r}"
+        elif kind == "finite_number":
+            text = f"must be a finite number, got {value!r}"
+        elif kind.endswith("_type") or kind.endswith("_parsing"):
+            text = f"expected {kind.removesuffix('_type').removesuffix('_parsing')}, got {value!r}"
+        else:
+            text = err["msg"].removeprefix("Value error, ")
+        lines.append(text if field is None else f"config field {field!r}: {text}")
+    return "; ".join(lines)
 
 
 def resolved_dtype(name: str, device: str) -> str:
@@ -265,31 +403,3 @@ def resolved_dtype(name: str, device: str) -> str:
     if name == "auto":
         return "bfloat16" if device == "cuda" else "float32"
     return name
-
-
-def _allows(hint: Any, t: type) -> bool:
-    return hint is t or t in typing.get_args(hint)
-
-
-def _isinstance(value: Any, hint: Any) -> bool:
-    if hint is Any:
-        return True
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is tuple:
-        return isinstance(value, tuple) and all(_isinstance(v, args[0]) for v in value)
-    if args:  # Optional / Union
-        return any(_isinstance(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    if hint in (int, float) and isinstance(value, bool):
-        return False
-    return isinstance(value, hint)
-
-
-def _tname(hint: Any) -> str:
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is tuple:
-        return f"tuple of {_tname(args[0])}"
-    if args:
-        return " | ".join(_tname(a) for a in args)
-    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))

@@ -1,14 +1,15 @@
-"""The Ray Data graph: Tokenize (CPU actors) -> ScoringActor pool, as a composable Python API.
+"""The Ray Data graph: Tokenize (CPU actors) -> replica actors, as a composable Python API.
 
     ds = ray.data.read_parquet(...)                 # any Dataset with the configured columns
     scores = dsv4batch.pipeline.score(ds, ScoreConfig(replicas=2))
+    texts = dsv4batch.pipeline.generate(ds, GenerateConfig(max_tokens=64))
     scores.write_parquet(...)                       # or more Ray Data steps
 
 `score_tokenized` is the same graph for requests that are token ids already (the lm-eval
 backend tokenizes itself): it starts at the ScoringActor pool.
 
 Each input row comes out exactly once: every step keeps row count and order within a batch,
-and a row that cannot be scored carries an `error` instead of being dropped.
+and a row that cannot be processed carries an `error` instead of being dropped.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import warnings
 from typing import Any
 
 from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import GenerateConfig, JobConfig, ScoreConfig
 from dsv4batch.pipeline.errors import UsageError
 
 
-def resolve(config: ScoreConfig) -> ScoreConfig:
+def resolve(config: JobConfig) -> JobConfig:
     """Fill in cluster-dependent defaults and refuse resource settings that cannot run.
 
     `gpus_per_replica`: 1 when Ray sees GPUs, else 0 (CPU backend). `cpus_per_replica`: 1 with
@@ -76,7 +77,7 @@ GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "B200": 180, "A100-80G": 80, "A100-40
                   "L40S": 48, "L4": 24, "A10G": 24}
 
 
-def check_capacity(config: ScoreConfig, cluster: dict, log) -> None:
+def check_capacity(config: JobConfig, cluster: dict, log) -> None:
     """Refuse, before any actor starts, a GPU replica whose ranks `dsv4batch plan` says cannot
     fit (weights split `config.tp` ways, one GPU per rank). `cluster`: Ray's resources."""
     if not config.gpus_per_replica:
@@ -108,7 +109,7 @@ def _check_schema(dataset, needed) -> None:
     except Exception:
         schema = None
     if schema is not None:
-        S.check_columns("score", needed, list(schema.names), "dataset")
+        S.check_columns("read", needed, list(schema.names), "dataset")
 
 
 def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | None = None):
@@ -122,6 +123,19 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | Non
     budget. `scorer`: the scoring step class, `ScoringActor` or a subclass (bench/stream.py swaps
     the model out).
     """
+    return process(dataset, _task(config, ScoreConfig), stats=stats, actor=scorer)
+
+
+def generate(dataset, config: GenerateConfig, *, stats: Any = None, generator: type | None = None):
+    """Append the generation steps to `dataset`; returns a lazy `ray.data.Dataset` with one
+    generated row per input row (`schema.generate_schema`). `dataset` needs
+    `config.text_column`, `config.id_column`, the sampling parameters and keep columns when
+    configured; `stats` and the DataContext as `score`; `generator`: `GenerateActor` or a subclass."""
+    return process(dataset, _task(config, GenerateConfig), stats=stats, actor=generator)
+
+
+def process(dataset, config: JobConfig, *, stats: Any = None, actor: type | None = None):
+    """Tokenize (CPU actors) -> the replica actors of `config.task` (`actor`: their class)."""
     from ray.data import ActorPoolStrategy
 
     from dsv4batch.pipeline.stages.tokenize import Tokenize
@@ -133,7 +147,13 @@ def score(dataset, config: ScoreConfig, *, stats: Any = None, scorer: type | Non
         compute=ActorPoolStrategy(min_size=1, max_size=config.tokenize_concurrency),
         batch_format="pyarrow", batch_size=config.tokenize_batch_size,
         num_cpus=config.tokenize_num_cpus, zero_copy_batch=True, udf_modifying_row_count=False)
-    return _scoring(tokenized, config, stats, scorer)
+    return _replicas(tokenized, config, stats, actor)
+
+
+def _task(config, cls):
+    if not isinstance(config, cls):
+        raise UsageError(f"config must be a {cls.__name__}, got {type(config).__name__}")
+    return config
 
 
 def score_tokenized(dataset, config: ScoreConfig, *, stats: Any = None,
@@ -150,16 +170,15 @@ def score_tokenized(dataset, config: ScoreConfig, *, stats: Any = None,
 
     config, stats = _prepare(dataset, config, stats)
     _check_schema(dataset, ScoringActor.spec(config).reads)
-    return _scoring(dataset, config, stats, scorer)
+    return _replicas(dataset, config, stats, scorer)
 
 
-def _prepare(dataset, config: ScoreConfig, stats):
+def _prepare(dataset, config: JobConfig, stats):
     """Resolve `config`, set the dataset's context (faults, block size, buffer), get `stats`."""
     from dsv4batch.pipeline.faults import fault_settings
     from dsv4batch.pipeline.metrics import start_collector
 
-    if not isinstance(config, ScoreConfig):
-        raise UsageError(f"config must be a ScoreConfig, got {type(config).__name__}")
+    _task(config, JobConfig)
     config = resolve(config)
     fault_settings(dataset.context)
     # both apply to every step of this dataset, the read included (Ray reads them at execution)
@@ -172,13 +191,17 @@ def _prepare(dataset, config: ScoreConfig, stats):
     return config, stats
 
 
-def _scoring(tokenized, config: ScoreConfig, stats, scorer):
-    """The `ScoringActor` pool over a tokenized dataset. With --tp > 1 an actor only coordinates
-    (no CPU or GPU reserved): its `ShardedEngine` places the ranks in a placement group."""
+def _replicas(tokenized, config: JobConfig, stats, actor):
+    """The pool of replica actors (`actor`, default the task's: `ScoringActor` or
+    `GenerateActor`) over a tokenized dataset. With --tp > 1 an actor only coordinates (no CPU or
+    GPU reserved): its `ShardedEngine` places the ranks in a placement group."""
     from ray.data import ActorPoolStrategy
 
+    from dsv4batch.pipeline.stages.generate import GenerateActor
     from dsv4batch.pipeline.stages.score import ScoringActor
 
+    if actor is None:
+        actor = GenerateActor if config.task == "generate" else ScoringActor
     # blocks of batch_size rows: every actor call is one batch and batches spread over replicas
     tokenized = tokenized.repartition(target_num_rows_per_block=config.batch_size)
     sharded = config.tp > 1
@@ -190,7 +213,7 @@ def _scoring(tokenized, config: ScoreConfig, stats, scorer):
         # used max_batch_attempts.
         warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
         return tokenized.map_batches(
-            scorer or ScoringActor,
+            actor,
             fn_constructor_kwargs={"config": config, "stats": stats,
                                    "num_gpus": config.gpus_per_replica},
             compute=ActorPoolStrategy(size=config.replicas,

@@ -23,6 +23,7 @@ class StatsCollector(BatchLedger):
         self.stats: dict[str, BatchStats] = {}  # actor id -> its batches, summed
         self.pids: dict[str, list] = {}
         self.tokenize = {"batches": 0, "rows": 0, "seconds": 0.0}
+        self.live: dict[str, dict] = {}  # actor id -> its generation loop's latest state
 
     def _actor(self, actor_id: str) -> None:
         self.info.setdefault(actor_id, {"actor_id": actor_id})
@@ -40,17 +41,26 @@ class StatsCollector(BatchLedger):
         self._actor(actor_id)
         self.stats[actor_id] += stats
 
+    def record_live(self, actor_id: str, state: dict) -> None:
+        """A generating actor's state now (running, waiting, generated tokens, cache bytes)."""
+        self.live[actor_id] = state
+
     def record_tokenize(self, rows: int, seconds: float) -> None:
         self.tokenize["batches"] += 1
         self.tokenize["rows"] += rows
         self.tokenize["seconds"] += seconds
 
     def snapshot(self) -> dict[str, Any]:
-        """{"actors": [info + BatchStats fields + pids per actor], "tokenize", "ledger", "time"}."""
-        return {"actors": [{**self.info[a], **self.stats[a].to_dict(), "pids": list(self.pids[a])}
-                           for a in self.info],
-                "tokenize": dict(self.tokenize), "ledger": self.ledger_snapshot(),
+        """{"actors": [info + BatchStats fields (time to first token as its quantiles) + pids per
+        actor], "tokenize", "ledger", "live" (generating actors' states), "time"}."""
+        return {"actors": [{**self.info[a], **self._stats(a), "pids": list(self.pids[a])} for a in self.info],
+                "tokenize": dict(self.tokenize), "ledger": self.ledger_snapshot(), "live": dict(self.live),
                 "time": time.time()}
+
+    def _stats(self, actor_id: str) -> dict:
+        d = self.stats[actor_id].to_dict()
+        d["ttft_s"] = quantiles(d.pop("ttft_s"))
+        return d
 
 
 def start_collector(max_failed_rows: int | None = None):
@@ -58,6 +68,42 @@ def start_collector(max_failed_rows: int | None = None):
     import ray
 
     return ray.remote(num_cpus=0, max_restarts=-1)(StatsCollector).remote(max_failed_rows)
+
+
+def quantiles(values: list) -> dict:
+    """{"count", "p50", "p99"} of a list of seconds (None when empty)."""
+    import numpy as np
+
+    if not values:
+        return {"count": 0, "p50": None, "p99": None}
+    p50, p99 = np.percentile(np.asarray(values, float), [50, 99])
+    return {"count": len(values), "p50": round(float(p50), 4), "p99": round(float(p99), 4)}
+
+
+def generation_summary(actors: list[dict]) -> dict | None:
+    """The generation part of `_metrics.json` (None when no actor generated): prefill and decode
+    tokens and their rates (each actor's tokens over its own time in such steps, a mixed step's
+    time split by its token counts; summed over actors, which run side by side), generated
+    tokens, the most requests running and waiting at once, the cache pool's peak and capacity,
+    and time to first token (p50 / p99 over the rows, from a batch's start)."""
+    gen = [a for a in actors if a.get("num_generated")]
+    if not gen:
+        return None
+    ttft = [a["ttft_s"] for a in gen]
+    weight = sum(t["count"] for t in ttft) or 1
+    return {
+        "prefill_tokens": sum(a["num_prefill_tokens"] for a in gen),
+        "decode_tokens": sum(a["num_decode_tokens"] for a in gen),
+        "generated_tokens": sum(a["num_generated"] for a in gen),
+        "prefill_tokens_per_s": round(sum(_rate(a["num_prefill_tokens"], a["prefill_s"]) for a in gen), 3),
+        "decode_tokens_per_s": round(sum(_rate(a["num_decode_tokens"], a["decode_s"]) for a in gen), 3),
+        "peak_running": max(a["peak_running"] for a in gen), "peak_waiting": max(a["peak_waiting"] for a in gen),
+        "peak_cache_bytes": max(a["peak_cache_bytes"] for a in gen),
+        "cache_capacity_bytes": max(a["cache_capacity_bytes"] for a in gen),
+        # each actor's quantiles, weighted by its rows (exact with one actor)
+        "ttft_p50_s": round(sum((t["p50"] or 0) * t["count"] for t in ttft) / weight, 4),
+        "ttft_p99_s": max((t["p99"] or 0) for t in ttft),
+    }
 
 
 def _rate(x: float, s: float) -> float:
@@ -93,7 +139,8 @@ def summarize(snapshot: dict, written: Written, wall_s: float, extra: dict | Non
         "rows_errored": written.rows_errored,
         "rows_failed": snapshot.get("ledger", {}).get("failed_rows", 0),
         "input_tokens": written.input_tokens,
-        "scored_tokens": written.scored_tokens, "wall_s": round(wall_s, 3),
+        "scored_tokens": written.scored_tokens, "generated_tokens": written.generated_tokens,
+        "wall_s": round(wall_s, 3),
         "tokens_per_s": _rate(written.input_tokens, wall_s),
         "scored_tokens_per_s": _rate(written.scored_tokens, wall_s),
         "rows_per_s": _rate(written.rows, wall_s),
@@ -111,19 +158,28 @@ def summarize(snapshot: dict, written: Written, wall_s: float, extra: dict | Non
         "faults": {k: v for k, v in snapshot.get("ledger", {}).items()
                    if k not in ("stop", "load_failure")},
         "num_actors": len(actors), "actors": per_actor, "files": written.files,
+        **({"generation": gen} if (gen := generation_summary(actors)) else {}),
         **(extra or {})}
 
 
 def format_summary(m: dict) -> str:
     skipped = f"  skipped {m['rows_skipped']} already in OUTPUT" if m.get("rows_skipped") else ""
-    lines = [f"rows {m['rows']} (scored {m['rows_scored']}, errors {m['rows_errored']}, of "
-             f"which failed scoring {m.get('rows_failed', 0)}){skipped}  "
-             f"tokens {m['input_tokens']} (scored {m['scored_tokens']})",
+    done = "generated" if m.get("task") == "generate" else "scored"
+    lines = [f"rows {m['rows']} ({done} {m['rows_scored']}, errors {m['rows_errored']}, of "
+             f"which failed {m.get('rows_failed', 0)}){skipped}  "
+             f"tokens {m['input_tokens']} ({done} {m[done + '_tokens']})",
              f"wall {m['wall_s']:.1f}s  {m['tokens_per_s']:.0f} tok/s  {m['rows_per_s']:.1f} "
              f"rows/s  (while actors ran: {m['active_tokens_per_s']:.0f} tok/s)",
              "time: " + "  ".join(f"{k} {v:.2f}s" for k, v in m["time_s"].items())
              + f"  steps {m['num_steps']}  chunks {m['num_chunks']}  peak workspace "
              f"{m['peak_workspace_bytes'] / 2**20:.1f} MiB"]
+    gen = m.get("generation")
+    if gen:
+        lines.append(f"generation: {gen['generated_tokens']} tokens generated  prefill "
+                     f"{gen['prefill_tokens_per_s']:.0f} tok/s  decode {gen['decode_tokens_per_s']:.0f} tok/s  "
+                     f"running <= {gen['peak_running']}  waiting <= {gen['peak_waiting']}  cache "
+                     f"{gen['peak_cache_bytes'] / 2**20:.1f} of {gen['cache_capacity_bytes'] / 2**20:.1f} MiB  "
+                     f"first token p50 {gen['ttft_p50_s']:.2f}s p99 {gen['ttft_p99_s']:.2f}s")
     total = m.get("total") or {}
     if total.get("num_runs", 1) > 1:
         lines.append(f"all {total['num_runs']} runs into OUTPUT: rows {total['rows']} (errors "
@@ -145,7 +201,7 @@ def format_summary(m: dict) -> str:
 
 
 _TOTALS = ("rows", "rows_scored", "rows_errored", "rows_failed", "input_tokens", "scored_tokens",
-           "wall_s")
+           "generated_tokens", "wall_s")
 _HISTORY = ("run_id", "resumed", "rows_skipped", *_TOTALS)
 
 

@@ -42,8 +42,19 @@ class Progress:
         import ray
 
         snap = ray.get(self.collector.snapshot.remote(), timeout=10)
+        self.live = snap.get("live") or {}
+        self.generated = sum(a.get("num_generated", 0) for a in snap["actors"])
         return (sum(a["rows"] for a in snap["actors"]),
                 sum(a["input_tokens"] for a in snap["actors"]))
+
+    def _generation(self) -> str:
+        """The generating actors' latest state: '  running R waiting W  generated G' ('' if none)."""
+        live = getattr(self, "live", None)
+        if not live:
+            return ""
+        total = {k: sum(s.get(k, 0) for s in live.values()) for k in ("running", "waiting", "generated")}
+        generated = self.generated + total["generated"]  # finished batches + the ones running
+        return f"  running {total['running']} waiting {total['waiting']}  generated {generated}"
 
     def _loop(self) -> None:
         last_log = time.time()
@@ -53,7 +64,7 @@ class Progress:
             except Exception:
                 continue
             elapsed = max(time.time() - self._t0, 1e-9)
-            rate = f"{tokens / elapsed:,.0f} tok/s"
+            rate = f"{tokens / elapsed:,.0f} tok/s" + self._generation()
             if self._bar is not None:
                 self._bar.n = rows
                 self._bar.set_postfix_str(rate, refresh=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 from dsv4batch.pipeline import formats as F
 from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import JobConfig
 from dsv4batch.pipeline.errors import UsageError
 from dsv4batch.pipeline.fs import open_fs, read_footers
 from dsv4batch.pipeline.ids.derive import relative
@@ -179,7 +179,7 @@ def _is(t, kinds) -> bool:
 RAY_COLUMNS = ("path", "row_hash")  # what Ray Data's read adds for derived ids and --resume
 
 
-def check_input(info: InputInfo, config: ScoreConfig) -> None:
+def check_input(info: InputInfo, config: JobConfig) -> None:
     """Columns exist in every file; text/target are strings; ids integers or strings, of one
     kind in every file (`info.id_type`: int64 for mixed integer widths, large_string for mixed
     string kinds)."""
@@ -203,7 +203,7 @@ def check_input(info: InputInfo, config: ScoreConfig) -> None:
         where = f"input {info.path!r}" if file == info.files[0] else f"input file {file!r}"
         names = schema.names
         S.check_columns("read", needed, names, where)
-        for col in filter(None, (config.text_column, config.target_column)):
+        for col in config.text_columns():
             t = schema.field(col).type
             if not _is(t, _TEXT_TYPES):
                 raise UsageError(f"column {col!r} has type {t} in {where}; expected a string "
@@ -234,7 +234,7 @@ def cast_ids(batch, id_column: str, id_type):
     return batch.set_column(i, id_column, batch.column(i).cast(id_type))
 
 
-def read(config: ScoreConfig, info: InputInfo, pending=None):
+def read(config: JobConfig, info: InputInfo, pending=None):
     """Ray Data's read of the needed columns (`read_parquet`, or its JSON/CSV readers through
     `text_source`); derives ids when the input has none.
 

@@ -15,17 +15,15 @@ the Ray Data id scan (`ids.scan`).
 
 from __future__ import annotations
 
-import dataclasses
-
 from dsv4batch.pipeline import output as O
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import JobConfig
 from dsv4batch.pipeline.errors import UsageError
 
 
-def check_config(job: dict, config: ScoreConfig, log=None) -> dict:
+def check_config(job: dict, config: JobConfig, log=None) -> dict:
     """Refuse a configuration whose results would differ from the recorded `job`'s."""
     # a field the recorded run predates had its default's meaning then (e.g. top_logprobs 0)
-    defaults = {f.name: f.default for f in dataclasses.fields(ScoreConfig)}
+    defaults = {name: f.default for name, f in type(config).model_fields.items()}
     recorded = {k: job["result"].get(k, defaults[k]) for k in config.result_fields()}
     diffs = [f"{k} {recorded[k]!r} -> {v!r}" for k, v in config.result_fields().items()
              if recorded[k] != v]

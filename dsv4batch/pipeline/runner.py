@@ -1,4 +1,4 @@
-"""`run(config)`: the whole `dsv4batch score` job.
+"""`run(config)`: the whole `dsv4batch score` or `dsv4batch generate` job (`config.task`).
 
 Order, so that every refusal comes before anything in OUTPUT is deleted or rewritten: INPUT
 (files, columns, types, fingerprints) and the model folder, before Ray starts; then the OUTPUT
@@ -21,9 +21,11 @@ import uuid
 
 from dsv4batch import __version__
 from dsv4batch.pipeline import output as O
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import JobConfig
 from dsv4batch.pipeline.errors import JobFailed, RowCountError, UsageError
 from dsv4batch.pipeline.stats import Written
+
+VERBS = {"score": "scoring", "generate": "generating"}
 
 
 def check_model(model: str, tp: int = 1, weights: str = "stored") -> None:
@@ -40,8 +42,8 @@ def check_model(model: str, tp: int = 1, weights: str = "stored") -> None:
         raise UsageError(f"model {model!r}: {exc}") from exc
 
 
-def run(config: ScoreConfig, *, log=None) -> dict:
-    """Run a scoring job; returns the metrics document also written to `_metrics.json`."""
+def run(config: JobConfig, *, log=None) -> dict:
+    """Run a scoring or generation job; returns the metrics document also written to `_metrics.json`."""
     from dsv4batch.pipeline.fs import open_fs
     from dsv4batch.pipeline.lease import Lease
     from dsv4batch.pipeline.read import check_input, inspect_input
@@ -50,7 +52,7 @@ def run(config: ScoreConfig, *, log=None) -> dict:
     if not config.input or not config.output:
         raise UsageError("both INPUT and OUTPUT are required")
     info = inspect_input(config.input, exclude=config.output, input_format=config.input_format,
-                         text_columns=(config.text_column, config.target_column))
+                         text_columns=config.text_columns())
     check_input(info, config)
     check_model(config.model, config.tp, config.weights_dtype)
     run_id = uuid.uuid4().hex[:8]
@@ -64,7 +66,7 @@ def run(config: ScoreConfig, *, log=None) -> dict:
     return metrics
 
 
-def _run(config: ScoreConfig, info, run_id: str, log) -> dict:
+def _run(config: JobConfig, info, run_id: str, log) -> dict:
     from dsv4batch.pipeline import schema as S
     from dsv4batch.pipeline.resume import check_config, check_inputs
 
@@ -85,7 +87,7 @@ def _run(config: ScoreConfig, info, run_id: str, log) -> dict:
     return _score(config, info, state, job, parts, run, log)
 
 
-def _start(config: ScoreConfig, info, state, job: dict, run_id: str) -> None:
+def _start(config: JobConfig, info, state, job: dict, run_id: str) -> None:
     """Every check passed: clear OUTPUT as planned, record the run in `_job.json`."""
     O.clear_output(state)
     runs = [*job.get("runs", []), {"run_id": run_id, "resumed": state.resuming,
@@ -98,13 +100,13 @@ def _start(config: ScoreConfig, info, state, job: dict, run_id: str) -> None:
         "inputs": info.fingerprints, "runs": runs})
 
 
-def _score(config: ScoreConfig, info, state, job: dict, parts, run: dict, log) -> dict:
+def _score(config: JobConfig, info, state, job: dict, parts, run: dict, log) -> dict:
     import ray
 
     from dsv4batch.pipeline.cluster import configure_data_context, connect
     from dsv4batch.pipeline.faults import explain_failure
     from dsv4batch.pipeline.fs import open_fs
-    from dsv4batch.pipeline.graph import check_capacity, resolve, score
+    from dsv4batch.pipeline.graph import check_capacity, process, resolve
     from dsv4batch.pipeline.stages.shards import release_groups
     from dsv4batch.pipeline.ids.scan import scan_ids
     from dsv4batch.pipeline.metrics import start_collector
@@ -134,14 +136,14 @@ def _score(config: ScoreConfig, info, state, job: dict, parts, run: dict, log) -
         return _finish(config, info, _nothing(), 0.0, run, job, log)
     limit = (config.max_errored_rows if config.max_errored_rows is not None
              else math.ceil(todo / 1000) if todo is not None else None)
-    log(f"[dsv4batch] scoring {todo if todo is not None else 'all'} rows from "
+    log(f"[dsv4batch] {VERBS[config.task]} {todo if todo is not None else 'all'} rows from "
         f"{len(info.files)} file(s) with {config.replicas} replica(s) x "
         + (f"{config.tp} ranks x " if config.tp > 1 else "")
         + f"{config.gpus_per_replica:g} GPU of {config.model!r}"
         + (f" ({skipped} already in OUTPUT)" if skipped else ""))
     collector = start_collector(limit)
     sink = ParquetPartSink(config.output, run_id=run["run_id"], rows_per_file=config.rows_per_file)
-    dataset = score(read(config, info, pending if skipped else None), config, stats=collector)
+    dataset = process(read(config, info, pending if skipped else None), config, stats=collector)
     t0 = time.time()
     try:
         with Progress(collector, todo, enabled=config.progress):
@@ -160,7 +162,7 @@ def _score(config: ScoreConfig, info, state, job: dict, parts, run: dict, log) -
         raise explain_failure(snapshot["ledger"])
     written = sink.result or Written()
     if todo is not None and written.rows != todo:
-        raise RowCountError(f"wrote {written.rows} rows for {todo} rows to score")
+        raise RowCountError(f"wrote {written.rows} rows for {todo} rows to process")
     return _finish(config, info, (snapshot, written), time.time() - t0,
                    {**run, "max_errored_rows": limit}, job, log)
 
@@ -177,7 +179,7 @@ def _finish(config, info, result, wall: float, extra: dict, job: dict, log) -> d
     metrics = summarize(snapshot, written, wall,
                         {**extra, "rows_in_output": total, "replicas": config.replicas,
                          "tp": config.tp, "gpus_per_replica": config.gpus_per_replica,
-                         "head_precision": config.head_precision})
+                         "head_precision": config.head_precision, "task": config.task})
     metrics = accumulate(_previous_metrics(config.output) if extra["resumed"] else None, metrics)
     O.write_json(config.output, O.METRICS, metrics)
     O.write_json(config.output, O.SUCCESS, {"run_id": extra["run_id"], "rows": total})
@@ -198,13 +200,11 @@ def _nothing() -> tuple[dict, Written]:
     return StatsCollector().snapshot(), Written()
 
 
-def _empty_table(config: ScoreConfig, info):
+def _empty_table(config: JobConfig, info):
     """A 0-row part file with the output schema, so readers of an empty result get columns."""
     import pyarrow as pa
 
     from dsv4batch.pipeline import schema as S
 
-    schema = S.output_schema(info.id_type or pa.string(), config.token_logprobs,
-                             [info.schema.field(c) for c in config.keep_columns],
-                             config.truncate != "none", config.top_logprobs)
-    return schema.empty_table()
+    keep = [info.schema.field(c) for c in config.keep_columns]
+    return S.config_schema(config, info.id_type or pa.string(), keep).empty_table()

@@ -42,10 +42,20 @@ def output_names(token_logprobs: bool, truncated: bool = False, top_logprobs: in
             *([TRUNCATED] if truncated else []), ERROR]
 
 
+# generation's output columns (generate_output_names), after id
+GENERATE_COLUMNS = ("num_prompt_tokens", "generated_text", "generated_token_ids", "num_generated_tokens",
+                    "finish_reason", "stop_reason")
+GENERATED_LOGPROBS = "generated_logprobs"  # only with --logprobs
+
+
+def generate_output_names(logprobs: bool, top_logprobs: int = 0) -> list[str]:
+    return [ID, *GENERATE_COLUMNS, *([GENERATED_LOGPROBS] if logprobs else []),
+            *([TOP_IDS, TOP_LOGPROBS] if top_logprobs else []), ERROR]
+
+
 def config_output_names(config) -> list[str]:
-    """`output_names` for a `ScoreConfig`, kept columns included: every part file's columns."""
-    return [*output_names(config.token_logprobs, config.truncate != "none", config.top_logprobs),
-            *config.keep_columns]
+    """A job config's output columns, kept columns included: every part file's columns."""
+    return [*config.output_columns(), *config.keep_columns]
 
 
 def output_schema(id_type, token_logprobs: bool, keep_fields=(), truncated: bool = False,
@@ -69,6 +79,32 @@ def output_schema(id_type, token_logprobs: bool, keep_fields=(), truncated: bool
     return pa.schema(fields + list(keep_fields))
 
 
+def generate_schema(id_type, logprobs: bool, keep_fields=(), top_logprobs: int = 0):
+    """The schema of every part file of `dsv4batch generate` (`id` keeps the input's id type).
+    stop_reason: the stop string, or the stop token id in decimal, that ended the row."""
+    import pyarrow as pa
+
+    fields = [pa.field(ID, id_type), pa.field("num_prompt_tokens", pa.int32()),
+              pa.field("generated_text", pa.string()), pa.field("generated_token_ids", pa.list_(pa.int32())),
+              pa.field("num_generated_tokens", pa.int32()), pa.field("finish_reason", pa.string()),
+              pa.field("stop_reason", pa.string())]
+    if logprobs:
+        fields.append(pa.field(GENERATED_LOGPROBS, pa.list_(pa.float32())))
+    if top_logprobs:
+        fields += [pa.field(TOP_IDS, pa.list_(pa.list_(pa.int32()))),
+                   pa.field(TOP_LOGPROBS, pa.list_(pa.list_(pa.float32())))]
+    fields.append(pa.field(ERROR, pa.string()))
+    return pa.schema(fields + list(keep_fields))
+
+
+def config_schema(config, id_type, keep_fields=()):
+    """The part-file schema of a job config (`output_schema` or `generate_schema`)."""
+    if config.task == "generate":
+        return generate_schema(id_type, config.logprobs, keep_fields, config.top_logprobs)
+    return output_schema(id_type, config.token_logprobs, keep_fields, config.truncate != "none",
+                         config.top_logprobs)
+
+
 def id_kind(t) -> str:
     """'integer', 'string' or 'binary': ids of one kind compare after a cast (int32 vs int64)."""
     import pyarrow as pa
@@ -80,9 +116,7 @@ def id_kind(t) -> str:
 
 def input_columns(config, available: list[str] | None = None) -> list[str]:
     """Columns to read: text, target, id (when present or `available` is unknown), keep."""
-    cols = [config.text_column]
-    if config.target_column:
-        cols.append(config.target_column)
+    cols = [*config.text_columns(), *config.row_columns()]
     if available is None or config.id_column in available:
         cols.append(config.id_column)
     cols.extend(c for c in config.keep_columns if c not in cols)

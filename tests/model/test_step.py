@@ -6,6 +6,7 @@ import torch
 
 from dsv4batch.model import Engine, EngineConfig, StepStats
 from dsv4batch.model.attention import WorkspacePool
+from dsv4batch.model.cache import CachePool, CacheSpec
 from dsv4batch.model.layers import Rope
 from dsv4batch.model.step import RequestState, StepContext
 
@@ -33,58 +34,49 @@ def test_step_tensors_and_stats(two):
     assert ctx.cu.tolist() == [0, 3, 7]
     assert ctx.positions.tolist() == [6, 7, 8, 0, 1, 2, 3] and ctx.positions.dtype == torch.int64
     assert ctx.input_ids.tolist() == [106, 107, 108, 200, 201, 202, 203]
-    assert ctx.continuing == [0]  # a feeds up to position 10 (11 is only a target); b is done
+    assert ctx.continuing == []  # no request holds a cache
     assert sorted(ctx.layouts) == [1, 4]
     assert ctx.rope_for(1) is ctx.cos_sin["main"] and ctx.rope_for(4) is ctx.cos_sin["compress"]
     assert (stats.num_steps, stats.num_tokens, stats.num_chunks) == (1, 7, 0) and stats.planner_s > 0
     ctx.count_chunk(torch.zeros(2, 3, 4))
     ctx.count_chunk(torch.zeros(1, 5, 4))
     assert (stats.num_chunks, stats.workspace_elements) == (2, 24 + 20)
-    assert context([(b, 0, 4)], stats).cache_in(0) == {}  # no segment continues an earlier step
 
 
-def test_cache_in_concatenates_in_segment_order():
-    a, b, c = (RequestState(np.arange(20)) for _ in range(3))
-    a.layers[2] = {"window": torch.full((3, 2), 1.0), "comp": (torch.full((1, 4), 1.0), torch.full((1, 4), -1.0))}
-    c.layers[2] = {"window": torch.full((2, 2), 3.0), "comp": (torch.full((2, 4), 3.0), torch.full((2, 4), -3.0))}
-    ctx = context([(a, 5, 6), (b, 0, 3), (c, 4, 7)], StepStats())  # b is fresh: nothing carried
-    got = ctx.cache_in(2)
-    assert sorted(got) == ["comp", "window"]
-    assert got["window"][:, 0].tolist() == [1, 1, 1, 3, 3]
-    assert got["comp"][0][:, 0].tolist() == [1, 3, 3] and got["comp"][1][:, 0].tolist() == [-1, -3, -3]
+def small_pool(num_slots=2, num_blocks=8):
+    """A pool for layers of ratio 1 and 4 (window 4, width 1: a row's value names it)."""
+    return CachePool(CacheSpec(ratios=(1, 4), window=W, head_dim=1, idx_dim=1, dtype_bytes=4), num_slots,
+                     num_blocks, torch.float32, "cpu")
 
 
-def test_carry_store_then_cache_in_next_step(two):
+def test_prefill_writes_what_the_next_step_reads(two):
     a, b = two
+    cache = small_pool()
+    a.cache = cache.allocate(len(a.ids))
     stats = StepStats()
-    ctx = context([(a, 6, 9), (b, 0, 4)], stats)
+    ctx = StepContext([(a, 0, 9), (b, 0, 4)], ratios=[1, 4], window=W, config=CONFIG, ropes=ROPES,
+                      pool=WorkspacePool(), stats=stats, device="cpu", cache=cache)
+    assert ctx.continuing == [0]  # a feeds up to position 10 (11 is only a target); b is done
     lay = ctx.layouts[4]
-    # compressor source rows: 6 carried (a's previous window pos 0..3 + pending 4, 5), 7 step rows, pad
-    src = (torch.arange(14.0).unsqueeze(1), -torch.arange(14.0).unsqueeze(1))
-    # table of this layout: [a's old entry | a's new entry | b's new entry | a's window 3..5 | step | zero]
-    table = torch.arange(14.0).unsqueeze(1)
-    cache_out = {}
-    ctx.carry(cache_out, "comp", src, lay.comp)
-    ctx.carry_entries(cache_out, table, lay, idx_table=10 * table)
-    assert list(cache_out) == [0]  # only a continues
-    kept = cache_out[0]
-    assert kept["comp"][0][:, 0].tolist() == [4, 5, 6, 7, 8]  # last full window (pos 4..7) + pos 8
-    assert kept["comp"][1][:, 0].tolist() == [-4, -5, -6, -7, -8]
-    assert kept["window"][:, 0].tolist() == [6, 7, 8]  # a's last W - 1 positions (step rows)
-    assert kept["entries"][:, 0].tolist() == [0, 1] and kept["idx_entries"][:, 0].tolist() == [0, 10]
-    ctx.store(3, cache_out)
-    assert a.layers[3] is kept and b.layers == {}
-
-    nxt = context([(a, 9, 11)], stats)
-    got = nxt.cache_in(3)
-    assert sorted(got) == ["comp", "entries", "idx_entries", "window"]
-    for key in ("window", "entries", "idx_entries"):
-        assert torch.equal(got[key], kept[key])
-    assert all(torch.equal(x, y) for x, y in zip(got["comp"], kept["comp"]))
+    # table of this layout: [a's 2 entries | b's entry | step rows (9 + 4) | zero]; src rows: 13 + pad
+    table = torch.arange(17.0).unsqueeze(1)
+    src = (torch.arange(14.0).unsqueeze(1).repeat(1, 2), -torch.arange(14.0).unsqueeze(1).repeat(1, 2))
+    for layer, r in ((0, 1), (1, 4)):
+        ctx.prefill_io[r].write(cache, layer, table, 10 * table, src, src)
+    assert ctx.prefill_io[4].read(cache, 1) == {}  # nothing was carried into this step
+    nxt = StepContext([(a, 9, 11)], ratios=[1, 4], window=W, config=CONFIG, ropes=ROPES, pool=WorkspacePool(),
+                      stats=stats, device="cpu", cache=cache)
+    got = nxt.prefill_io[4].read(cache, 1)
+    assert sorted(got) == ["comp", "entries", "idx", "idx_entries", "window"]
+    assert got["window"][:, 0].tolist() == [3 + 6, 3 + 7, 3 + 8]  # a's last W - 1 positions (step rows)
+    assert got["entries"][:, 0].tolist() == [0, 1] and got["idx_entries"][:, 0].tolist() == [0, 10]
+    assert got["comp"][0][:, 0].tolist() == [4, 5, 6, 7, 8]  # last full window (pos 4..7) + pos 8
+    assert got["idx"][1][:, 0].tolist() == [-4, -5, -6, -7, -8]
+    assert nxt.prefill_io[1].read(cache, 0)["window"][:, 0].tolist() == [6, 7, 8]  # no entries before them
     # the next step's layout expects exactly the rows carried
     lay = nxt.layouts[4]
     assert lay.comp.num_carried == 5 and int(lay.prior.sum()) == 3 and int(lay.old.sum()) == 2
-    assert nxt.continuing == [] and (stats.num_steps, stats.num_tokens) == (2, 9)
+    assert nxt.continuing == [] and (stats.num_steps, stats.num_tokens) == (2, 15)
 
 
 def test_schedule_splits_long_requests_continuing_first():

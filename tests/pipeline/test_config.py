@@ -1,27 +1,31 @@
-"""ScoreConfig validation and the CLI generated from it (no Ray, no torch)."""
+"""ScoreConfig / GenerateConfig validation and the CLI generated from them (no Ray, no torch)."""
 
-import dataclasses
 import subprocess
 import sys
 
 import pytest
 
 from dsv4batch.jobs.cli import build_parser, parse_config
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import GenerateConfig, ScoreConfig, cli_fields
 from dsv4batch.pipeline.errors import UsageError
 
 
-def test_defaults_are_valid_and_every_field_is_documented():
-    cfg = ScoreConfig()
-    for f in dataclasses.fields(cfg):
-        assert len(f.metadata["help"]) > 15, f.name
+@pytest.mark.parametrize("cls", [ScoreConfig, GenerateConfig])
+def test_defaults_are_valid_and_every_field_is_documented(cls):
+    cfg = cls()
+    for name, f in cls.model_fields.items():
+        if name != "task":
+            assert len(f.description) > 15 and f.json_schema_extra["group"], name
     assert cfg.model == "tiny" and cfg.text_column == "prompt" and cfg.id_column == "id"
+    assert not {"planner", "sort_by_length"} & set(cli_fields(cls))  # benchmark knobs: Python only
 
 
 @pytest.mark.parametrize("bad, match", [
     ({"replica": 2}, "did you mean 'replicas'"),
     ({"replicas": 0}, "must be >= 1"),
     ({"replicas": "2"}, "expected int"),
+    ({"max_block_mib": float("nan")}, "finite number"),
+    ({"batch_timeout_s": float("inf")}, "finite number"),
     ({"planner": "greedy"}, "not one of"),
     ({"dtype": "int8"}, "not one of"),
     ({"token_logprobs": 1}, "expected bool"),
@@ -67,10 +71,11 @@ def test_cli_has_an_option_per_field_and_parses_them():
     assert "score" in help_text
     cfg = parse_config(["score", "in.parquet", "out", "--replicas", "2", "--gpus-per-replica", "0.5",
                         "--target-column", "t", "--keep-columns", "a,b", "--token-logprobs",
-                        "--no-sort-by-length", "--planner", "fixed", "--prefill-chunk-size", "none"])
+                        "--attn-backend", "torch", "--prefill-chunk-size", "none"])
     assert (cfg.input, cfg.output, cfg.replicas, cfg.gpus_per_replica) == ("in.parquet", "out", 2, 0.5)
-    assert cfg.keep_columns == ("a", "b") and cfg.token_logprobs and not cfg.sort_by_length
-    assert cfg.planner == "fixed" and cfg.prefill_chunk_size is None and cfg.target_column == "t"
+    assert cfg.keep_columns == ("a", "b") and cfg.token_logprobs and cfg.attn_backend == "torch"
+    assert cfg.engine_kwargs()["attn_backend"] == "torch"  # reaches every replica with the config
+    assert cfg.prefill_chunk_size is None and cfg.target_column == "t"
     cfg = parse_config(["in", "out", "--resume", "--truncate", "left", "--max-errored-rows", "none",
                         "--max-actor-restarts", "-1", "--max-batch-attempts", "5"])
     assert cfg.resume and cfg.truncate == "left" and cfg.max_errored_rows is None
@@ -82,7 +87,7 @@ def test_cli_has_an_option_per_field_and_parses_them():
     assert parse_config(["in", "out"]) == ScoreConfig(input="in", output="out")
     sub = build_parser()._subparsers._group_actions[0].choices["score"]
     dests = {a.dest for a in sub._actions}
-    assert {f.name for f in dataclasses.fields(ScoreConfig)} <= dests
+    assert set(cli_fields(ScoreConfig)) <= dests
 
 
 def test_import_is_light():
@@ -116,3 +121,38 @@ def test_input_format_and_top_logprobs_options():
         ScoreConfig(top_logprobs=-1)
     with pytest.raises(UsageError, match=r"clash with output columns"):
         ScoreConfig(keep_columns=("top_ids",))
+
+
+def test_generate_cli_and_config():
+    cfg = parse_config(["generate", "in.jsonl", "out", "--max-tokens", "64", "--temperature", "0.7",
+                        "--stop", "###,\n\n", "--stop-token-ids", "1,2", "--sampling-params-column", "params",
+                        "--logprobs", "--top-logprobs", "3", "--max-cache-mib", "512", "--seed", "7"])
+    assert isinstance(cfg, GenerateConfig) and cfg.task == "generate" and cfg.batch_size == 256
+    assert (cfg.max_tokens, cfg.temperature, cfg.stop, cfg.stop_token_ids) == (64, 0.7, ("###", "\n\n"), (1, 2))
+    assert cfg.row_columns() == ("params",) and cfg.engine_kwargs()["max_cache_mib"] == 512
+    assert cfg.sampling_defaults().top_logprobs == 3
+    assert cfg.result_fields()["task"] == "generate" and cfg.result_fields()["seed"] == 7
+    assert GenerateConfig.from_dict(cfg.to_dict()) == cfg
+    assert "generated_text" in cfg.output_columns() and "generated_logprobs" in cfg.output_columns()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"temperature": -1.0}, "'temperature': must be >= 0"),
+    ({"top_p": 0.0}, "'top_p': must be > 0"),
+    ({"top_p": 1.5}, "'top_p': must be <= 1"),
+    ({"max_tokens": 0}, "'max_tokens': must be >= 1"),
+    ({"stop": ["ok", ""]}, "stop must be a list of non-empty strings"),
+    ({"stop_token_ids": "1,x"}, "comma-separated integers"),
+    ({"sampling_params_column": "prompt"}, "must differ"),
+    ({"keep_columns": ["generated_text"]}, "clash"),
+    ({"target_column": "t"}, "unknown config field 'target_column'"),
+])
+def test_generate_config_refuses_bad_values(bad, match):
+    with pytest.raises(UsageError, match=match):
+        GenerateConfig.from_dict(bad)
+
+
+def test_generate_cli_refuses_a_bad_default_before_start(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dsv4batch.jobs.generate", "in.parquet", "out", "--temperature",
+                          "-1"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and "'temperature': must be >= 0" in out.stderr, out.stderr

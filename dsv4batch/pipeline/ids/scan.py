@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import JobConfig
 from dsv4batch.pipeline.errors import UsageError
 from dsv4batch.pipeline.ids.derive import derived_ids, relative
 from dsv4batch.pipeline.ids.hashing import mix64
@@ -164,7 +164,7 @@ MESSAGES = {
 }
 
 
-def scan_ids(config: ScoreConfig, info, done_files: list[str], done_rows: int,
+def scan_ids(config: JobConfig, info, done_files: list[str], done_rows: int,
              output_fs=None, id_type=None) -> Pending:
     """Refuse bad ids (UsageError) and find the rows OUTPUT already holds; runs on Ray Data."""
     import numpy as np

@@ -1,12 +1,12 @@
-"""A scoring actor's model replica: device, dtype and engine settings from `ScoreConfig`."""
+"""A replica actor's model: device, dtype and engine settings from the job config."""
 
 from __future__ import annotations
 
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import JobConfig
 from dsv4batch.pipeline.stages.device import pick_device, torch_dtype
 
 
-def load_engine(config: ScoreConfig, num_gpus: float):
+def load_engine(config: JobConfig, num_gpus: float):
     """Load the `Engine` once per actor; returns (engine, device, dtype name).
 
     A model folder that is missing on this node, or that cannot load, raises the loader's

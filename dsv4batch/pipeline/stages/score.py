@@ -1,98 +1,37 @@
-"""`ScoringActor`: the Ray Data map_batches step that owns a DSv4 model replica.
+"""`ScoringActor`: the Ray Data map_batches step that scores each row on a DSv4 model replica.
 
-The model is loaded once in `__init__`; each call takes a tokenized Arrow batch, lets the engine
-pack its requests into forward steps of at most `max_batched_tokens` query tokens (long requests
-span steps, short ones share one) with planned prefill chunks (`Engine.score_details`: per
-position the logprob, whether the token was the argmax, and the top `--top-logprobs` tokens),
-and returns one output row per input row. Per-batch stats go to the driver's `StatsCollector` (when given) and to
-`ray.util.metrics`. A request the model rejects becomes that row's `error`, not a failed batch.
-
-Faults: an attempt where the engine fails for every row raises `BatchError`, which Ray Data
-retries; the collector's ledger counts attempts (crashed ones included), and a batch past
-`max_batch_attempts` is answered with row errors instead of being scored again. Rows whose
-scoring failed are reported to the ledger, which stops the job past `max_errored_rows`.
+Each call takes a tokenized Arrow batch, lets the engine pack its requests into forward steps
+of at most `max_batched_tokens` query tokens (long requests span steps, short ones share one)
+with planned prefill chunks (`Engine.score_details`: per position the logprob, whether the token
+was the argmax, and the top `--top-logprobs` tokens), and returns one output row per input row.
+Loading, fault handling and statistics are the replica actor's (`stages/actor.py`).
 """
 
 from __future__ import annotations
 
-import os
-import time
-from typing import Any
-
 from dsv4batch.model.stats import StepStats
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import BatchError, ReplicaLost, row_error
-from dsv4batch.pipeline.faults import BatchGuard
-from dsv4batch.pipeline.stages.replica import load_engine
-from dsv4batch.pipeline.stages.telemetry import ActorTelemetry
-from dsv4batch.pipeline.stages.watchdog import Watchdog
-from dsv4batch.pipeline.stats import BatchStats
+from dsv4batch.pipeline.stages.actor import Answer, ReplicaActor
 
 
-class ScoringActor:
-    # how the engine is loaded (a subclass may load another: bench/stream.py measures the
-    # pipeline without a forward)
-    load = staticmethod(load_engine)
+class ScoringActor(ReplicaActor):
+    """The scoring step: per row, the logprobs of its scored tokens (`Engine.score_details`)."""
 
     @staticmethod
     def spec(config: ScoreConfig) -> S.StageSpec:
         truncated = config.truncate != "none"
         reads = (S.ID, S.INPUT_IDS, S.NUM_SCORED, *([S.NUM_TRUNCATED] if truncated else []),
                  S.ERROR, *config.keep_columns)
-        return S.StageSpec("score", reads, tuple(S.output_names(
-            config.token_logprobs, truncated, config.top_logprobs)))
+        return S.StageSpec("score", reads, tuple(config.output_columns()))
 
-    def __init__(self, config: ScoreConfig, stats: Any = None, num_gpus: float = 0.0):
-        t0 = time.perf_counter()
-        self.config, self.stats = config, stats
-        self.guard = BatchGuard(stats, config.max_batch_attempts)
-        try:
-            self.engine, self.device, self.dtype = self.load(config, num_gpus)
-        except Exception as exc:  # recorded by type here: the driver explains the stop with it
-            self.guard.load_failed(exc)
-            raise
-        self.telemetry = ActorTelemetry(config.model)
-        self.actor_id, self.node_id, self.watchdog = f"local-{os.getpid()}", None, None
-        try:
-            import ray
-
-            if ray.is_initialized() and ray.get_runtime_context().get_actor_id():
-                ctx = ray.get_runtime_context()
-                self.actor_id, self.node_id = ctx.get_actor_id(), ctx.get_node_id()
-                # only in a Ray actor: the watchdog kills the process it runs in
-                self.watchdog = Watchdog(config.batch_timeout_s)
-        except Exception:
-            pass
-        self.info = {"actor_id": self.actor_id, "node_id": self.node_id, "pid": os.getpid(),
-                     "device": self.device, "dtype": self.dtype, "head_precision": self.engine.head_precision,
-                     "attn_kernel": self.engine.attn_kernel, "load_s": time.perf_counter() - t0,
-                     **({"ranks": self.engine.ranks} if hasattr(self.engine, "ranks") else {})}
-        if stats is not None:
-            stats.register_actor.remote(self.info)
-
-    def __call__(self, batch):
-        if self.watchdog is None:
-            return self._answer(batch)
-        self.watchdog.busy()
-        try:
-            return self._answer(batch)
-        finally:
-            self.watchdog.idle()
-
-    def _answer(self, batch):
-        t_start, p0 = time.time(), time.perf_counter()
-        S.check_columns("score", self.spec(self.config).reads, batch.column_names, "batch")
-        ids, scored, errors = read_requests(batch)
-        incoming = [e is not None for e in errors]
+    def process(self, batch, errors: list, isolate: str | None) -> Answer:
+        """Score the batch's rows (`isolate`: answer them all with that error instead)."""
+        ids, scored, _ = read_requests(batch)
         lengths = [len(x) for x in ids]
         results: list = [None] * batch.num_rows  # per row: `TokenScores` of its scored tokens
-        row_ids = batch[S.ID].to_pylist()
-        key, isolate = self.guard.begin(row_ids)
         model_stats = StepStats()
-        if isolate:  # this batch used up its attempts: answer its rows, do not score it again
-            errors = [e if e is not None else isolate for e in errors]
-        else:
+        if not isolate:
             todo = []
             for i in range(batch.num_rows):
                 if errors[i] is None:
@@ -100,53 +39,12 @@ class ScoringActor:
                         todo.append(i)
                     else:  # e.g. empty text: nothing to score, zero scored tokens, no error
                         results[i] = no_scores(self.config.top_logprobs)
-            try:
-                model_stats = self._score(ids, scored, todo, results, errors)
-            except Exception as exc:
-                self.guard.failed(key, row_error(exc))
-                raise BatchError(f"batch from id {row_ids[0]!r}: {row_error(exc)}") from exc
+            model_stats = self.run_rows(lambda rows: self._call([ids[i] for i in rows]), todo, results,
+                                        errors, lambda i, out: tail(out, int(scored[i])))
         out = build_output(batch, lengths, scored, results, errors, self.config)
         ok = [i for i in range(batch.num_rows) if errors[i] is None]
-        failed = [i for i in range(batch.num_rows) if errors[i] is not None and not incoming[i]]
-        stats = BatchStats(**model_stats.to_dict(), batches=1, rows=batch.num_rows,
-                           rows_scored=len(ok), rows_errored=batch.num_rows - len(ok),
-                           rows_failed=len(failed),
-                           input_tokens=int(sum(lengths[i] for i in ok)),
-                           scored_tokens=int(sum(int(scored[i]) for i in ok)),
-                           busy_s=time.perf_counter() - p0, t_first=t_start, t_last=time.time())
-        self.telemetry.record(stats)
-        if self.stats is not None:
-            self.stats.record_batch.remote(self.actor_id, stats)
-        self.guard.end(key, len(failed), row_ids[0] if row_ids else None,
-                       errors[failed[0]] if failed else None, bool(isolate))
-        return out
-
-    def _score(self, ids, scored, todo, results, errors) -> StepStats:
-        """Score rows `todo` in one engine call; if it fails, row by row to isolate the cause.
-        Sets `results[i]` to the `TokenScores` of row i's last `scored[i]` positions."""
-        if not todo:
-            return StepStats()
-        try:
-            outs, stats = self._call([ids[i] for i in todo])
-        except ReplicaLost:
-            raise  # a rank failed, not a row: the whole batch is retried on the restarted ranks
-        except Exception:
-            failures, stats = [], StepStats()
-            for i in todo:
-                try:
-                    out, one = self._call([ids[i]])
-                    results[i], stats = tail(out[0], int(scored[i])), stats + one
-                except ReplicaLost:
-                    raise  # a rank died meanwhile: retry the batch, do not blame the row
-                except Exception as exc:  # noqa: PERF203 - isolate the failing rows
-                    errors[i] = row_error(exc)
-                    failures.append(exc)
-            if len(failures) == len(todo) and not isinstance(failures[0], ValueError):
-                raise failures[0]  # the engine itself is broken: let Ray retry/restart
-            return stats
-        for i, ts in zip(todo, outs):
-            results[i] = tail(ts, int(scored[i]))
-        return stats
+        return Answer(out, model_stats, input_tokens=int(sum(lengths[i] for i in ok)),
+                      output_tokens=int(sum(int(scored[i]) for i in ok)))
 
     def _call(self, requests) -> tuple[list, StepStats]:
         outs, stats = self.engine.score_details([r.tolist() for r in requests],

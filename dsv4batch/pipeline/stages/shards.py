@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import JobConfig
 from dsv4batch.pipeline.errors import ReplicaLost, one_line
 from dsv4batch.pipeline.stages.device import pick_device, torch_dtype
 
@@ -48,7 +48,7 @@ class RankWorker:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def setup(self, init_method: str, config: ScoreConfig, num_gpus: float) -> dict:
+    def setup(self, init_method: str, config: JobConfig, num_gpus: float) -> dict:
         """Join the group and load this rank's slices; returns what the rank holds."""
         import datetime
 
@@ -85,17 +85,23 @@ class RankWorker:
         outs, stats = self.engine.score_details(requests, top_k=top_k)
         return (outs if self.rank == 0 else None), stats
 
+    def generate(self, prompts: list, params: list):
+        """`Engine.generate` on this rank (every rank runs it, rank 0's tokens broadcast each
+        step); rank 0's outputs, stats."""
+        outs, stats = self.engine.generate(prompts, params)
+        return (outs if self.rank == 0 else None), stats
+
 
 class ShardedEngine:
     """`Engine.score_details` over a T-rank replica (see the module docstring).
 
-    config: the job's `ScoreConfig` (`tp`, model, dtype, engine knobs, timeouts); num_gpus,
+    config: the job's config (`tp`, model, dtype, engine knobs, timeouts); num_gpus,
     num_cpus: each rank's share of its bundle. `ranks`: each rank's `RankWorker.setup` info
     (pid, node, resident bytes). `placement_group`: the group the ranks run in, the actor's
     own (captured) one, else one created here (removed by `close`).
     """
 
-    def __init__(self, config: ScoreConfig, num_gpus: float, num_cpus: float):
+    def __init__(self, config: JobConfig, num_gpus: float, num_cpus: float):
         import ray
         from ray.util.placement_group import get_placement_group, placement_group
 
@@ -181,19 +187,40 @@ class ShardedEngine:
     def score_details(self, batch, top_k: int = 0):
         """`Engine.score_details(batch, top_k)` across the ranks: (outputs, rank 0's `StepStats`).
         `ValueError` for a bad request (before any rank sees it); `ReplicaLost` when a rank fails."""
-        from dsv4batch.model.engine import validate
-
         if not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
-        max_len = (self.engine_config or self.config).max_model_len
-        requests = [a.tolist() for a in validate(batch, self.model_config.vocab_size, max_len)]
+        return self._call("score", self._valid(batch), top_k)
+
+    def generate(self, prompts, params):
+        """`Engine.generate(prompts, params)` across the ranks: (outputs, rank 0's `StepStats`).
+        `ValueError` for a bad request (before any rank sees it); `ReplicaLost` when a rank fails."""
+        from dsv4batch.model.generate import validate_generation
+        from dsv4batch.model.sampling import SamplingParams
+
+        requests = self._valid(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(requests)
+        validate_generation(requests, params, self.model_config.vocab_size, self._max_len)
+        return self._call("generate", requests, list(params))
+
+    @property
+    def _max_len(self) -> int:
+        return (self.engine_config or self.config).max_model_len
+
+    def _valid(self, batch) -> list:
+        from dsv4batch.model.engine import validate
+
+        return [a.tolist() for a in validate(batch, self.model_config.vocab_size, self._max_len)]
+
+    def _call(self, method: str, *args):
+        """Every rank runs `RankWorker.<method>(*args)`; rank 0's result."""
         if not self.workers:  # the last restart failed: try again now
             try:
                 self.start()
             except Exception as exc:
                 raise ReplicaLost(f"the tp={self.config.tp} replica has no ranks: starting them failed "
                                   f"({one_line(exc)})") from exc
-        refs = [w.score.remote(requests, top_k) for w in self.workers]
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
         try:
             # before the scoring actor's watchdog (batch_timeout_s): a hung rank restarts the
             # ranks, not the actor

@@ -14,20 +14,18 @@ import time
 from typing import Any
 
 from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.pipeline.config import JobConfig
 
 
 class Tokenize:
     """Stateful tokenize step; `spec` lists the columns it reads and adds."""
 
     @staticmethod
-    def spec(config: ScoreConfig) -> S.StageSpec:
-        reads = (config.text_column, config.id_column, *config.keep_columns)
-        if config.target_column:
-            reads = (*reads, config.target_column)
+    def spec(config: JobConfig) -> S.StageSpec:
+        reads = (*config.text_columns(), config.id_column, *config.row_columns(), *config.keep_columns)
         return S.StageSpec("tokenize", reads, (S.INPUT_IDS, S.NUM_SCORED, S.NUM_TRUNCATED, S.ERROR))
 
-    def __init__(self, config: ScoreConfig, stats: Any = None):
+    def __init__(self, config: JobConfig, stats: Any = None):
         from dsv4batch.model.tokenizer import bos_token_id, load_tokenizer, tokenizer_source
 
         self.config, self.stats = config, stats
@@ -67,7 +65,7 @@ class Tokenize:
         if n <= L:
             return [self.bos, *seq], len(t) if t is not None else len(p), 0, None
         too_long = f"too long: {n} tokens > max_model_len {L}"
-        if cfg.truncate == "none":
+        if getattr(cfg, "truncate", "none") == "none":
             return None, 0, 0, too_long
         drop = n - L
         kept = seq[drop:] if cfg.truncate == "left" else seq[:L - 1]
@@ -86,7 +84,8 @@ class Tokenize:
         cfg = self.config
         S.check_columns("tokenize", self.spec(cfg).reads, batch.column_names, "batch")
         prompts = self._encode(batch[cfg.text_column])
-        targets = self._encode(batch[cfg.target_column]) if cfg.target_column else None
+        target = getattr(cfg, "target_column", None)  # scoring's continuation column
+        targets = self._encode(batch[target]) if target else None
         n_rows = batch.num_rows
         ids_out, errors = [], [None] * n_rows
         scored, truncated = np.zeros(n_rows, np.int32), np.zeros(n_rows, np.int32)
@@ -105,7 +104,7 @@ class Tokenize:
         offsets = np.zeros(len(ids_out) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
         flat = np.fromiter((t for x in ids_out for t in x), np.int32, int(offsets[-1]))
-        keep = [cfg.id_column, *cfg.keep_columns]
+        keep = [cfg.id_column, *cfg.row_columns(), *cfg.keep_columns]
         out = batch.select(keep)
         if cfg.id_column != S.ID:
             out = out.rename_columns([S.ID if c == cfg.id_column else c for c in keep])
