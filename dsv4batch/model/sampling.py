@@ -107,8 +107,8 @@ def _check_number(params, name: str, low: float, high: float, *, low_open: bool)
     ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool) and math.isfinite(value) \
         and (value > low if low_open else value >= low) and value <= high
     if not ok:
-        span = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
-        raise ValueError(f"{name} must be a finite number in {span}, got {value!r}")
+        where = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
+        raise ValueError(f"{name} must be a finite number {where}, got {value!r}")
 
 
 class Draw(NamedTuple):

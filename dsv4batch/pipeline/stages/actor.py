@@ -77,9 +77,15 @@ class ReplicaActor:
     def spec(config) -> S.StageSpec:
         raise NotImplementedError
 
-    def process(self, batch, errors: list, isolate: str | None) -> Answer:
+    def prepare(self, batch, errors: list) -> Any:
+        """What `process` needs from the rows before the model runs; sets the `errors` entries of
+        rows with an input problem (they are answers, not failures). Default: nothing."""
+        return None
+
+    def process(self, batch, errors: list, isolate: str | None, prepared: Any) -> Answer:
         """The output of `batch`; `errors` [rows]: each row's error so far (None: to process),
-        filled in for rows that fail; `isolate`: an error to answer every row with instead."""
+        filled in for rows that fail; `isolate`: an error to answer every row with instead;
+        `prepared`: what `prepare` returned."""
         raise NotImplementedError
 
     def __call__(self, batch):
@@ -96,13 +102,14 @@ class ReplicaActor:
         spec = self.spec(self.config)
         S.check_columns(spec.name, spec.reads, batch.column_names, "batch")
         errors = batch[S.ERROR].to_pylist()
-        incoming = [e is not None for e in errors]
+        prepared = self.prepare(batch, errors)
+        incoming = [e is not None for e in errors]  # input problems: answers, not failures
         row_ids = batch[S.ID].to_pylist()
         key, isolate = self.guard.begin(row_ids)
         if isolate:  # this batch used up its attempts: answer its rows, do not process it again
             errors = [e if e is not None else isolate for e in errors]
         try:
-            answer = self.process(batch, errors, isolate)
+            answer = self.process(batch, errors, isolate, prepared)
         except Exception as exc:
             self.guard.failed(key, row_error(exc))
             raise BatchError(f"batch from id {row_ids[0]!r}: {row_error(exc)}") from exc

@@ -28,11 +28,14 @@ class GenerateActor(ReplicaActor):
         reads = (S.ID, S.INPUT_IDS, S.ERROR, *config.row_columns(), *config.keep_columns)
         return S.StageSpec("generate", reads, tuple(config.output_columns()))
 
-    def process(self, batch, errors: list, isolate: str | None) -> Answer:
+    def prepare(self, batch, errors: list) -> list:
+        """Each row's `SamplingParams`; a bad one is the row's error (an input problem)."""
+        return row_params(batch, self.config, errors)
+
+    def process(self, batch, errors: list, isolate: str | None, params: list) -> Answer:
         from dsv4batch.model.stats import StepStats
 
         ids, _, _ = read_requests(batch)
-        params = row_params(batch, self.config, errors)
         results: list = [None] * batch.num_rows
         stats = StepStats()
         if not isolate:
