@@ -78,6 +78,13 @@ class JobConfig(BaseModel):
                         "'<file>:<row>' are derived from file and row position.")
     keep_columns: tuple[str, ...] = _f((), "Input columns to carry through to the output (comma-separated "
                                        "on the CLI).")
+    messages_column: Optional[str] = _f(None, "Column with a conversation per row (a list of {role, content} "
+                                        "messages, or its JSON text) instead of --text-column: generate renders "
+                                        "it with the DSv4 chat encoding and opens the assistant's turn; score "
+                                        "scores the last assistant message given the conversation before it. A "
+                                        "malformed conversation is that row's error.")
+    thinking: bool = _f(False, "With --messages-column: DSv4's thinking mode (the assistant's turn opens with "
+                        "<think>, and the last turn's reasoning is kept) instead of chat mode.")
     # -- engine (DSv4Model EngineConfig)
     max_batched_tokens: int = _f(2048, "Query tokens per forward step; long requests span steps, short ones "
                                  "share one.", group="engine", ge=1)
@@ -159,8 +166,8 @@ class JobConfig(BaseModel):
                                 "crash.", group="faults", ge=1)
 
     # the fields that change what a row's output is (recorded per run, checked on resume)
-    RESULT_FIELDS: ClassVar[tuple[str, ...]] = ("model", "dtype", "text_column", "id_column", "keep_columns", "max_model_len",
-                     "head_precision")
+    RESULT_FIELDS: ClassVar[tuple[str, ...]] = ("model", "dtype", "text_column", "id_column", "keep_columns",
+                                                "max_model_len", "head_precision", "messages_column", "thinking")
 
     def __init__(self, **values: Any):
         try:
@@ -190,7 +197,7 @@ class JobConfig(BaseModel):
     def _check_together(self):
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in OUTPUT, --overwrite replaces it: give one of them")
-        if set(self.row_columns()) & set(self.text_columns()) or self.id_column in self.row_columns():
+        if set(self.row_columns()) & set(self.tokenizer_columns()) or self.id_column in self.row_columns():
             raise ValueError(f"the columns {self.row_columns()} must differ from the text and id columns")
         if self.id_column in self.keep_columns:
             raise ValueError(f"keep_columns: the id column {self.id_column!r} is always written (as 'id'); do "
@@ -205,8 +212,12 @@ class JobConfig(BaseModel):
         raise NotImplementedError
 
     def text_columns(self) -> tuple[str, ...]:
-        """The input columns of text the tokenizer reads."""
-        return (self.text_column,)
+        """The input columns of text (strings) the tokenizer reads."""
+        return () if self.messages_column else (self.text_column,)
+
+    def tokenizer_columns(self) -> tuple[str, ...]:
+        """Every input column the tokenizer reads: the text columns or the conversations."""
+        return (self.messages_column,) if self.messages_column else self.text_columns()
 
     def row_columns(self) -> tuple[str, ...]:
         """Other input columns the model's step reads per row (carried past the tokenizer)."""
@@ -272,9 +283,14 @@ class ScoreConfig(JobConfig):
     def _check_target(self):
         if self.target_column is not None and self.target_column == self.text_column:
             raise ValueError("target_column must differ from text_column")
+        if self.target_column is not None and self.messages_column is not None:
+            raise ValueError("with messages_column the scored target is the conversation's last assistant "
+                             "message: do not give target_column")
         return self
 
     def text_columns(self) -> tuple[str, ...]:
+        if self.messages_column:
+            return ()
         return (self.text_column, *([self.target_column] if self.target_column else []))
 
     def output_columns(self, every: bool = False) -> list[str]:

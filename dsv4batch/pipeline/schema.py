@@ -116,7 +116,7 @@ def id_kind(t) -> str:
 
 def input_columns(config, available: list[str] | None = None) -> list[str]:
     """Columns to read: text, target, id (when present or `available` is unknown), keep."""
-    cols = [*config.text_columns(), *config.row_columns()]
+    cols = [*config.tokenizer_columns(), *config.row_columns()]
     if available is None or config.id_column in available:
         cols.append(config.id_column)
     cols.extend(c for c in config.keep_columns if c not in cols)

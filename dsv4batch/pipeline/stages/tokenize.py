@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from dsv4batch.model import chat
+from dsv4batch.model.chat import ChatError
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import JobConfig
 
@@ -22,7 +24,7 @@ class Tokenize:
 
     @staticmethod
     def spec(config: JobConfig) -> S.StageSpec:
-        reads = (*config.text_columns(), config.id_column, *config.row_columns(), *config.keep_columns)
+        reads = (*config.tokenizer_columns(), config.id_column, *config.row_columns(), *config.keep_columns)
         return S.StageSpec("tokenize", reads, (S.INPUT_IDS, S.NUM_SCORED, S.NUM_TRUNCATED, S.ERROR))
 
     def __init__(self, config: JobConfig, stats: Any = None):
@@ -32,10 +34,10 @@ class Tokenize:
         self.tokenizer = load_tokenizer(tokenizer_source(config.model))
         self.bos = bos_token_id(config.model)
 
-    def _encode(self, column) -> list:
-        """Token ids per row: a list, None for a null, an error string if the tokenizer failed."""
-        strs = _texts(column)
-        present = [i for i, t in enumerate(strs) if t is not None]
+    def _encode(self, strs: list) -> list:
+        """Token ids per row of texts: a list, None for a null, an error string if the
+        tokenizer failed (or the text is one already: a row error)."""
+        present = [i for i, t in enumerate(strs) if t is not None and not isinstance(t, ChatError)]
         out: list = [None] * len(strs)
         try:
             encs = self.tokenizer.encode_batch_fast([strs[i] for i in present],
@@ -49,7 +51,33 @@ class Tokenize:
                     encs.append(f"tokenizer failed: {type(exc).__name__}: {exc}"[:500])
         for i, e in zip(present, encs):
             out[i] = e if isinstance(e, str) else e.ids
+        for i, t in enumerate(strs):
+            if isinstance(t, ChatError):
+                out[i] = f"messages: {t}"[:500]
         return out
+
+    def _texts(self, batch) -> tuple[list, list | None]:
+        """(prompt texts, target texts or None) of the batch's rows: its text (and target)
+        columns, or its conversations rendered by the DSv4 chat encoding (`model/chat.py`:
+        generation renders the prompt, scoring splits off the last assistant reply as the target;
+        a malformed conversation is its row's `ChatError`)."""
+        cfg = self.config
+        if not cfg.messages_column:
+            target = getattr(cfg, "target_column", None)  # scoring's continuation column
+            return _texts(batch[cfg.text_column]), _texts(batch[target]) if target else None
+        prompts, targets = [], []
+        for value in batch[cfg.messages_column].to_pylist():
+            try:
+                if cfg.task == "score":
+                    prompt, reply = chat.split_last(value, cfg.thinking)
+                else:
+                    prompt, reply = chat.render(value, cfg.thinking), None
+                prompts.append(prompt.removeprefix(chat.BOS))  # `_fit` puts the model's bos first
+                targets.append(reply)
+            except chat.ChatError as exc:
+                prompts.append(exc)
+                targets.append(exc)
+        return prompts, targets if cfg.task == "score" else None
 
     def __call__(self, batch):
         t0 = time.perf_counter()
@@ -83,9 +111,9 @@ class Tokenize:
 
         cfg = self.config
         S.check_columns("tokenize", self.spec(cfg).reads, batch.column_names, "batch")
-        prompts = self._encode(batch[cfg.text_column])
-        target = getattr(cfg, "target_column", None)  # scoring's continuation column
-        targets = self._encode(batch[target]) if target else None
+        prompt_texts, target_texts = self._texts(batch)
+        prompts = self._encode(prompt_texts)
+        targets = self._encode(target_texts) if target_texts is not None else None
         n_rows = batch.num_rows
         ids_out, errors = [], [None] * n_rows
         scored, truncated = np.zeros(n_rows, np.int32), np.zeros(n_rows, np.int32)

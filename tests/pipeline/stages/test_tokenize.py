@@ -79,3 +79,22 @@ def test_tokenize_binary_and_invalid_utf8_text(tok):
         assert rows[1]["error"] == "null text"
         assert rows[2][S.INPUT_IDS] == [0, *enc(tok, "\x00\x1b[1m bold")]
         assert rows[3][S.INPUT_IDS] == [0, *enc(tok, "plain")]
+
+
+def test_conversations_render_with_the_chat_encoding(tok):
+    from dsv4batch.model.chat import render, split_last
+    from dsv4batch.pipeline.config import GenerateConfig
+
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    batch = pa.table({"id": [1, 2, 3], "conv": [chat, chat[:1], [{"role": "bot", "content": "x"}]]})
+    gen = Tokenize(GenerateConfig(messages_column="conv", thinking=True))(batch).to_pylist()
+    assert gen[1][S.INPUT_IDS] == enc(tok, render(chat[:1], thinking=True)) and gen[1]["error"] is None
+    assert gen[2]["error"].startswith("messages: message 0 has role 'bot'")
+    score = Tokenize(ScoreConfig(messages_column="conv"))(batch).to_pylist()
+    prompt, reply = split_last(chat)
+    assert score[0][S.INPUT_IDS] == enc(tok, prompt) + enc(tok, reply)  # bos first, once
+    assert score[0][S.NUM_SCORED] == len(enc(tok, reply)) and score[0][S.INPUT_IDS][0] == 0
+    assert score[1]["error"].startswith("messages: the last message must be the assistant")
+    as_json = pa.table({"id": [1], "conv": ['[{"role": "user", "content": "Hi"}]']})
+    assert Tokenize(GenerateConfig(messages_column="conv"))(as_json).to_pylist()[0][S.INPUT_IDS] == \
+        enc(tok, render(chat[:1]))
