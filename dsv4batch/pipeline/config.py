@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dsv4batch.model.config import ATTN_BACKENDS, HEAD_PRECISIONS  # no torch
+from dsv4batch.pipeline import openai_batch as OA
 from dsv4batch.pipeline.errors import UsageError
 from dsv4batch.pipeline.formats import FORMATS
 from dsv4batch.pipeline.schema import generate_output_names, output_names
@@ -283,6 +284,8 @@ class ScoreConfig(JobConfig):
     def _check_target(self):
         if self.target_column is not None and self.target_column == self.text_column:
             raise ValueError("target_column must differ from text_column")
+        if self.input_format == "openai-batch":
+            raise ValueError("an openai-batch input holds generation requests: use dsv4batch generate")
         if self.target_column is not None and self.messages_column is not None:
             raise ValueError("with messages_column the scored target is the conversation's last assistant "
                              "message: do not give target_column")
@@ -337,9 +340,14 @@ class GenerateConfig(JobConfig):
                                         "left (`dsv4batch plan`).", group="engine", gt=0)
     batch_size: int = _f(256, "Rows per Ray Data batch sent to an actor (its requests are batched "
                          "continuously within it).", group="resources", ge=1)
+    output_format: Literal["parquet", "openai-batch"] = _f(
+        "parquet", "openai-batch (with --input-format openai-batch): also write OUTPUT/output.jsonl, one OpenAI "
+        "batch response line per request line (`chat.completion` / `text_completion` bodies, status 400 for a bad "
+        "request), in input order, when the run is complete.", group="run")
 
-    RESULT_FIELDS: ClassVar[tuple[str, ...]] = (*JobConfig.RESULT_FIELDS, "sampling_params_column", "max_tokens", "temperature", "top_p",
-                     "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs")
+    RESULT_FIELDS: ClassVar[tuple[str, ...]] = (
+        *JobConfig.RESULT_FIELDS, "sampling_params_column", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+        "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "input_format", "output_format")
 
     @field_validator("stop", "stop_token_ids", mode="before")
     @classmethod
@@ -353,10 +361,36 @@ class GenerateConfig(JobConfig):
                     raise ValueError("stop_token_ids must be comma-separated integers") from None
         return tuple(value) if isinstance(value, list) else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_columns(cls, values):
+        if isinstance(values, dict) and values.get("input_format") == "openai-batch":
+            values = {**values, "id_column": values.get("id_column", OA.ID),
+                      "text_column": values.get("text_column", OA.REQUEST)}
+        return values
+
     @model_validator(mode="after")
     def _check_sampling(self):
         self.sampling_defaults()  # the model's own checks (e.g. an empty stop string)
+        if self.is_openai and (self.id_column, self.text_column) != (OA.ID, OA.REQUEST):
+            raise ValueError("an openai-batch input's rows are its request lines: id_column and text_column "
+                             "are set by it")
+        if self.is_openai and (self.messages_column or self.sampling_params_column):
+            raise ValueError("an openai-batch input carries each request's messages and sampling parameters: "
+                             "do not give messages_column or sampling_params_column")
+        if self.output_format == "openai-batch" and not self.is_openai:
+            raise ValueError("output_format openai-batch answers request lines: it needs input_format "
+                             "openai-batch")
         return self
+
+    @property
+    def is_openai(self) -> bool:
+        """INPUT is an OpenAI batch file (`openai_batch`): its rows are request lines."""
+        return self.input_format == "openai-batch"
+
+    def params_column(self) -> str | None:
+        """The column of per-row sampling parameters the generation step reads (JSON objects)."""
+        return OA.SAMPLING if self.is_openai else self.sampling_params_column
 
     def sampling_defaults(self):
         """The options as the model's `SamplingParams` (every row's defaults)."""
@@ -371,12 +405,14 @@ class GenerateConfig(JobConfig):
         return {**kw, "max_num_seqs": self.max_num_seqs, "max_cache_mib": self.max_cache_mib}
 
     def row_columns(self) -> tuple[str, ...]:
+        if self.is_openai:
+            return (OA.LINE,)
         return (self.sampling_params_column,) if self.sampling_params_column else ()
 
     def output_columns(self, every: bool = False) -> list[str]:
         if every:
-            return generate_output_names(True, 1)
-        return generate_output_names(self.logprobs, self.top_logprobs)
+            return generate_output_names(True, 1, True)
+        return generate_output_names(self.logprobs, self.top_logprobs, self.is_openai)
 
 
 JOBS = {"score": ScoreConfig, "generate": GenerateConfig}

@@ -26,8 +26,10 @@ import numpy as np
 
 from dsv4batch.pipeline.errors import UsageError
 
-FORMATS = {"parquet": (".parquet", ".pq", ".parq"), "json": (".jsonl", ".json"), "csv": (".csv",)}
-NAMES = {"parquet": "Parquet", "json": "JSONL", "csv": "CSV"}
+# openai-batch: JSONL request lines (`openai_batch`), only by --input-format (no extension of its own)
+FORMATS = {"parquet": (".parquet", ".pq", ".parq"), "json": (".jsonl", ".json"), "csv": (".csv",),
+           "openai-batch": ()}
+NAMES = {"parquet": "Parquet", "json": "JSONL", "csv": "CSV", "openai-batch": "OpenAI batch"}
 CHUNK_BYTES = 8 << 20  # JSONL: whole lines parsed per pyarrow call (what the driver holds)
 CSV_BLOCK_BYTES = 1 << 20  # CSV: pyarrow's read block (types are inferred from the first one)
 JSON_BLOCK_BYTES = 1 << 20  # JSONL: Ray's read block, raised to fit the longest line
@@ -210,6 +212,10 @@ def iter_tables(fs, path: str, fmt: str, text_columns=(), columns=None) -> Itera
 def _tables(stream, fs, path, fmt, text_columns, columns):
     if fmt == "json":
         return _json_tables(stream, path, columns)
+    if fmt == "openai-batch":
+        from dsv4batch.pipeline.openai_batch import tables
+
+        return ((t.select(columns) if columns else t, None) for t in tables(stream, path))
     return _csv_tables(stream, path, lambda: fs.open_input_stream(path), text_columns, columns)
 
 

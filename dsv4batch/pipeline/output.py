@@ -5,6 +5,8 @@
     _job.json                          the run's configuration and input, written before scoring
     _lease.json                        the exclusive writer while a job runs (`lease`)
     _metrics.json, _SUCCESS            written last, only when every input row is accounted for
+    output.jsonl                       `--output-format openai-batch`: the response lines, written
+                                       before _SUCCESS (`openai_batch.write_output`)
 
 Every file is written through `staged`: under a `_tmp-` name, renamed to its final name when
 complete, so a file either exists whole under its final name or not at all. A part file's name
@@ -27,6 +29,7 @@ from dsv4batch.pipeline.errors import UsageError
 from dsv4batch.pipeline.fs import open_fs, read_footers
 
 JOB, METRICS, SUCCESS, LEASE = "_job.json", "_metrics.json", "_SUCCESS", "_lease.json"
+RESULTS = "output.jsonl"  # `--output-format openai-batch`: built from the part files at the end
 WRITER = "dsv4batch"  # `_job.json`'s "writer": the mark of a folder this tool wrote
 PART = re.compile(r"part-[0-9a-f]{8}-\d{6}(-\d{4})?\.parquet")
 TEMP = re.compile(r"_tmp-(probe-)?[0-9a-f]{32}(\..+\.inprogress)?")
@@ -104,7 +107,7 @@ def inspect_output(path: str, overwrite: bool, resume: bool = False) -> OutputSt
                  if not LEASE_FILES.fullmatch(i.base_name)]
     job = read_job(fs, root) if JOB in names else None
     temps = [n for n in names if TEMP.fullmatch(n)]
-    ours = {JOB, METRICS, SUCCESS} if job is not None else set()
+    ours = {JOB, METRICS, SUCCESS, RESULTS} if job is not None else set()
     if JOB in names and job is None:
         raise UsageError(f"OUTPUT {path!r}: its {JOB} was not written by dsv4batch (or is "
                          "damaged); refusing to write into it (give a new OUTPUT)")
@@ -121,7 +124,7 @@ def inspect_output(path: str, overwrite: bool, resume: bool = False) -> OutputSt
     if resume and names and job is None:
         raise UsageError(f"OUTPUT {path!r} has no {JOB}: there is no run to resume")
     resuming = bool(resume and job is not None)
-    delete = temps + ([SUCCESS] if SUCCESS in names else []) if resuming else \
+    delete = temps + [n for n in (SUCCESS, RESULTS) if n in names] if resuming else \
         [n for n in names if n in temps or n in ours or is_part(n)]
     probe = f"{root}/_tmp-probe-{uuid.uuid4().hex}"
     try:
@@ -155,6 +158,14 @@ def write_json(path: str, name: str, obj) -> None:
     fs, root = open_fs(path)
     with staged(fs, root, name) as f:
         f.write((json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
+
+
+def write_text(path: str, name: str, lines) -> None:
+    """Write OUTPUT/name from an iterable of text lines (UTF-8, through `staged`)."""
+    fs, root = open_fs(path)
+    with staged(fs, root, name) as f:
+        for line in lines:
+            f.write(line.encode())
 
 
 def read_json(path: str, name: str):

@@ -181,6 +181,12 @@ def _finish(config, info, result, wall: float, extra: dict, job: dict, log) -> d
                          "tp": config.tp, "gpus_per_replica": config.gpus_per_replica,
                          "head_precision": config.head_precision, "task": config.task})
     metrics = accumulate(_previous_metrics(config.output) if extra["resumed"] else None, metrics)
+    if getattr(config, "output_format", "parquet") == "openai-batch":
+        from dsv4batch.model.tokenizer import load_tokenizer, tokenizer_source
+        from dsv4batch.pipeline.openai_batch import write_output
+
+        lines = write_output(config.output, load_tokenizer(tokenizer_source(config.model)), config.model)
+        log(f"[dsv4batch] wrote {lines} response lines to {O.RESULTS}")
     O.write_json(config.output, O.METRICS, metrics)
     O.write_json(config.output, O.SUCCESS, {"run_id": extra["run_id"], "rows": total})
     log(format_summary(metrics))

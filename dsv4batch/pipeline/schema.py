@@ -48,9 +48,17 @@ GENERATE_COLUMNS = ("num_prompt_tokens", "generated_text", "generated_token_ids"
 GENERATED_LOGPROBS = "generated_logprobs"  # only with --logprobs
 
 
-def generate_output_names(logprobs: bool, top_logprobs: int = 0) -> list[str]:
+# an openai-batch input's rows (`openai_batch`): the request line's custom_id (the row id), line
+# number and text; what the tokenizer step adds (sampling parameters, what the response needs);
+# the generation step's status code
+OPENAI_ID, OPENAI_LINE, OPENAI_REQUEST = "custom_id", "line", "request"
+OPENAI_SAMPLING, OPENAI_META, OPENAI_STATUS = "openai_sampling", "openai_meta", "openai_status"
+OPENAI_COLUMNS = (OPENAI_LINE, OPENAI_META, OPENAI_STATUS)
+
+
+def generate_output_names(logprobs: bool, top_logprobs: int = 0, openai: bool = False) -> list[str]:
     return [ID, *GENERATE_COLUMNS, *([GENERATED_LOGPROBS] if logprobs else []),
-            *([TOP_IDS, TOP_LOGPROBS] if top_logprobs else []), ERROR]
+            *([TOP_IDS, TOP_LOGPROBS] if top_logprobs else []), *(OPENAI_COLUMNS if openai else ()), ERROR]
 
 
 def config_output_names(config) -> list[str]:
@@ -79,7 +87,7 @@ def output_schema(id_type, token_logprobs: bool, keep_fields=(), truncated: bool
     return pa.schema(fields + list(keep_fields))
 
 
-def generate_schema(id_type, logprobs: bool, keep_fields=(), top_logprobs: int = 0):
+def generate_schema(id_type, logprobs: bool, keep_fields=(), top_logprobs: int = 0, openai: bool = False):
     """The schema of every part file of `dsv4batch generate` (`id` keeps the input's id type).
     stop_reason: the stop string, or the stop token id in decimal, that ended the row."""
     import pyarrow as pa
@@ -93,6 +101,9 @@ def generate_schema(id_type, logprobs: bool, keep_fields=(), top_logprobs: int =
     if top_logprobs:
         fields += [pa.field(TOP_IDS, pa.list_(pa.list_(pa.int32()))),
                    pa.field(TOP_LOGPROBS, pa.list_(pa.list_(pa.float32())))]
+    if openai:  # the request line, what its response needs, its status code
+        fields += [pa.field(OPENAI_LINE, pa.int64()), pa.field(OPENAI_META, pa.string()),
+                   pa.field(OPENAI_STATUS, pa.int16())]
     fields.append(pa.field(ERROR, pa.string()))
     return pa.schema(fields + list(keep_fields))
 
@@ -100,7 +111,7 @@ def generate_schema(id_type, logprobs: bool, keep_fields=(), top_logprobs: int =
 def config_schema(config, id_type, keep_fields=()):
     """The part-file schema of a job config (`output_schema` or `generate_schema`)."""
     if config.task == "generate":
-        return generate_schema(id_type, config.logprobs, keep_fields, config.top_logprobs)
+        return generate_schema(id_type, config.logprobs, keep_fields, config.top_logprobs, config.is_openai)
     return output_schema(id_type, config.token_logprobs, keep_fields, config.truncate != "none",
                          config.top_logprobs)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ray.data._internal.datasource.csv_datasource import CSVDatasource
 from ray.data._internal.datasource.json_datasource import ArrowJSONDatasource
+from ray.data.datasource import FileBasedDatasource
 
 from dsv4batch.pipeline import formats as F
 from dsv4batch.pipeline.ids.hashing import row_hash
@@ -43,6 +44,19 @@ class CSVSource(_Positions, CSVDatasource):
     """`ray.data.read_csv`'s reader + `row_hash`."""
 
 
+class _RequestLines(FileBasedDatasource):
+    """An OpenAI batch file's request lines as rows (`openai_batch.tables`)."""
+
+    def _read_stream(self, f, path: str):
+        from dsv4batch.pipeline.openai_batch import tables
+
+        yield from tables(f, path)
+
+
+class OpenAIBatchSource(_Positions, _RequestLines):
+    """`_RequestLines` + `row_hash`."""
+
+
 def read_text(files: list[str], info, columns: list[str], located: bool):
     """A Ray dataset of `columns` of JSONL/CSV `files` (an `InputInfo`'s format and options),
     plus `path` and `row_hash` when `located`."""
@@ -53,6 +67,8 @@ def read_text(files: list[str], info, columns: list[str], located: bool):
     if info.format == "json":
         source = JSONLSource(files, arrow_json_args={
             "read_options": F.json_read_options(info.longest_line)}, **common)
+    elif info.format == "openai-batch":
+        source = OpenAIBatchSource(files, **common)
     else:
         source = CSVSource(files, arrow_csv_args=F.csv_options(info.text_columns, columns),
                            **common)

@@ -158,3 +158,80 @@ def test_tp2_generates_what_one_engine_generates(tmp_path, checkpoint, engine):
             continue
         top = engine.score_details([prompt + want[:t + 1]], top_k=2)[0][0].top_logprobs[-1]
         assert top[0] - top[1] < 1e-4, f"{key}: token {t} differs without a near-tie ({top})"
+
+
+def batch_lines(n: int = 50) -> list[str]:
+    """An OpenAI batch file: chat and completion requests, some with stop / seed / logprobs, and
+    malformed lines (bad JSON, an unknown url, n > 1, tools, no user message, a prompt too long
+    for max_model_len, a line without custom_id)."""
+    import json
+
+    lines = []
+    for i in range(n):
+        chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count {i}"}],
+                "max_tokens": 4 + i % 3}
+        text = {"prompt": f"Item {i}: the", "max_tokens": 3}
+        body, url = (chat, "/v1/chat/completions") if i % 2 else (text, "/v1/completions")
+        body = dict(body)
+        if i % 5 == 1:
+            body.update(temperature=0.8, seed=i, top_p=0.9)
+        if i % 7 == 3:
+            body.update(logprobs=True, top_logprobs=2) if url.endswith("chat/completions") else body.update(logprobs=2)
+        if i % 6 == 2:
+            body.update(stop=[" the", "\n"])
+        line = {"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body}
+        bad = {4: '{"custom_id": "req-4", "method": "POST", "url": ',
+               10: json.dumps({**line, "url": "/v1/embeddings"}), 16: json.dumps({**line, "body": {**body, "n": 2}}),
+               22: json.dumps({**line, "url": "/v1/chat/completions", "body": {"messages": [], "tools": []}}),
+               28: json.dumps({**line, "url": "/v1/completions", "body": {"prompt": "x " * 400}}),
+               34: json.dumps({k: v for k, v in line.items() if k != "custom_id"})}
+        lines.append(bad.get(i, json.dumps(line)))
+    return lines
+
+
+def test_openai_batch_file_in_and_out(tmp_path, checkpoint, local_ray):
+    import json
+
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    src, out = tmp_path / "requests.jsonl", tmp_path / "out"
+    src.write_text("\n".join(batch_lines()) + "\n")
+    args = ["generate", str(src), str(out), "--model", checkpoint, "--input-format", "openai-batch",
+            "--output-format", "openai-batch", "--max-model-len", "256", "--logprobs", "--top-logprobs", "2",
+            *SMALL_PARTS]
+    with open(tmp_path / "driver.log", "w") as log:  # killed after its first part file, then resumed
+        driver = subprocess.Popen([sys.executable, "-m", "dsv4batch.jobs.score", *args, "--ray-address", local_ray],
+                                  stdout=log, stderr=log, cwd=REPO)
+        wait_for(lambda: parts(out), "the first part file", proc=driver)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    wait_for(lambda: not alive_pipeline_actors(local_ray), "the killed job's actors to stop", 120)
+    assert 0 < part_rows(out) < 50 and "output.jsonl" not in os.listdir(out)
+    assert main([*args, "--resume"]) == 0
+    lines = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]
+    assert len(lines) == 50
+    ids = [x["custom_id"] for x in lines]
+    # input order, each once; a line that is not JSON, or has no custom_id, answers with a null one
+    assert ids == [None if i in (4, 34) else f"req-{i}" for i in range(50)]
+    bad = {i for i, x in enumerate(lines) if x["response"]["status_code"] == 400}
+    assert bad == {4, 10, 16, 22, 28}
+    assert "not JSON" in lines[4]["response"]["body"]["error"]["message"]
+    assert "n must be 1" in lines[16]["response"]["body"]["error"]["message"]
+    assert "max_model_len" in lines[28]["response"]["body"]["error"]["message"]
+    for i, x in enumerate(lines):
+        if i in bad:
+            continue
+        assert x["response"]["status_code"] == 200 and x["error"] is None
+        body = x["response"]["body"]
+        if i % 2:
+            choice = ChatCompletion.model_validate(body).choices[0]
+            assert (choice.logprobs is not None) == (i % 7 == 3) and isinstance(choice.message.content, str)
+        else:
+            choice = Completion.model_validate(body).choices[0]
+            assert (choice.logprobs is not None) == (i % 7 == 3)
+        assert choice.finish_reason in ("stop", "length")
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text("\n".join(batch_lines(3) + [batch_lines(3)[0]]) + "\n")
+    assert main(["generate", str(dup), str(tmp_path / "o2"), "--model", checkpoint, "--input-format",
+                 "openai-batch", *FAST]) == 2  # duplicate custom_id: refused before the run

@@ -82,10 +82,11 @@ class ReplicaActor:
         rows with an input problem (they are answers, not failures). Default: nothing."""
         return None
 
-    def process(self, batch, errors: list, isolate: str | None, prepared: Any) -> Answer:
+    def process(self, batch, errors: list, isolate: str | None, prepared: Any, incoming: list) -> Answer:
         """The output of `batch`; `errors` [rows]: each row's error so far (None: to process),
         filled in for rows that fail; `isolate`: an error to answer every row with instead;
-        `prepared`: what `prepare` returned."""
+        `prepared`: what `prepare` returned; `incoming` [rows]: whether the row's error is an
+        input problem (set before the model ran)."""
         raise NotImplementedError
 
     def __call__(self, batch):
@@ -109,7 +110,7 @@ class ReplicaActor:
         if isolate:  # this batch used up its attempts: answer its rows, do not process it again
             errors = [e if e is not None else isolate for e in errors]
         try:
-            answer = self.process(batch, errors, isolate, prepared)
+            answer = self.process(batch, errors, isolate, prepared, incoming)
         except Exception as exc:
             self.guard.failed(key, row_error(exc))
             raise BatchError(f"batch from id {row_ids[0]!r}: {row_error(exc)}") from exc

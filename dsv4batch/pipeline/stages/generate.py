@@ -25,14 +25,15 @@ class GenerateActor(ReplicaActor):
 
     @staticmethod
     def spec(config: GenerateConfig) -> S.StageSpec:
-        reads = (S.ID, S.INPUT_IDS, S.ERROR, *config.row_columns(), *config.keep_columns)
+        openai = (S.OPENAI_SAMPLING, S.OPENAI_META) if config.is_openai else ()
+        reads = (S.ID, S.INPUT_IDS, S.ERROR, *config.row_columns(), *openai, *config.keep_columns)
         return S.StageSpec("generate", reads, tuple(config.output_columns()))
 
     def prepare(self, batch, errors: list) -> list:
         """Each row's `SamplingParams`; a bad one is the row's error (an input problem)."""
         return row_params(batch, self.config, errors)
 
-    def process(self, batch, errors: list, isolate: str | None, params: list) -> Answer:
+    def process(self, batch, errors: list, isolate: str | None, params: list, incoming: list) -> Answer:
         from dsv4batch.model.stats import StepStats
 
         ids, _, _ = read_requests(batch)
@@ -43,7 +44,10 @@ class GenerateActor(ReplicaActor):
             stats = self.run_rows(lambda rows: self._generate([ids[i].tolist() for i in rows],
                                                               [params[i] for i in rows]), todo, results, errors)
         done = [r for r, e in zip(results, errors) if r is not None and e is None]
-        return Answer(build_output(batch, results, errors, self.config), stats,
+        table = build_output(batch, results, errors, self.config)
+        if self.config.is_openai:  # each request line's response needs its line, metadata and status
+            table = add_openai_columns(table, batch, errors, incoming)
+        return Answer(table, stats,
                       input_tokens=sum(r.num_prompt_tokens for r in done),
                       output_tokens=sum(len(r.token_ids) for r in done), ttft_s=tuple(r.ttft_s for r in done))
 
@@ -81,7 +85,7 @@ def row_params(batch, config: GenerateConfig, errors: list) -> list:
     from dsv4batch.model.sampling import SamplingParams
 
     defaults = config.sampling_defaults()
-    column = config.sampling_params_column
+    column = config.params_column()
     values = batch[column].to_pylist() if column else [None] * batch.num_rows
     lengths = batch[S.INPUT_IDS].combine_chunks().value_lengths().to_pylist()
     out = []
@@ -105,6 +109,20 @@ def row_params(batch, config: GenerateConfig, errors: list) -> list:
             continue
         out.append(params)
     return out
+
+
+def add_openai_columns(table, batch, errors: list, incoming: list):
+    """`schema.OPENAI_COLUMNS` before `error`: the line, the response metadata, the status code
+    (200 generated, 400 a bad request: an input problem, 500 its generation failed)."""
+    import pyarrow as pa
+
+    status = [200 if e is None else 400 if bad else 500 for e, bad in zip(errors, incoming)]
+    at = table.column_names.index(S.ERROR)
+    for name, column in ((S.OPENAI_LINE, batch[S.OPENAI_LINE]), (S.OPENAI_META, batch[S.OPENAI_META]),
+                         (S.OPENAI_STATUS, pa.array(status, pa.int16()))):
+        table = table.add_column(at, name, column)
+        at += 1
+    return table
 
 
 def _mapping(value) -> dict:

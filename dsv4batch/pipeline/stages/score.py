@@ -25,7 +25,7 @@ class ScoringActor(ReplicaActor):
                  S.ERROR, *config.keep_columns)
         return S.StageSpec("score", reads, tuple(config.output_columns()))
 
-    def process(self, batch, errors: list, isolate: str | None, prepared=None) -> Answer:
+    def process(self, batch, errors: list, isolate: str | None, prepared=None, incoming=None) -> Answer:
         """Score the batch's rows (`isolate`: answer them all with that error instead)."""
         ids, scored, _ = read_requests(batch)
         lengths = [len(x) for x in ids]

@@ -10,13 +10,19 @@ out exactly once, in order.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from dsv4batch.model import chat
 from dsv4batch.model.chat import ChatError
+from dsv4batch.pipeline import openai_batch
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import JobConfig
+
+
+# a row's text that could not be made: its error's prefix, by the problem's type
+PROBLEMS = {ChatError: "messages", openai_batch.RequestError: "request"}
 
 
 class Tokenize:
@@ -37,7 +43,7 @@ class Tokenize:
     def _encode(self, strs: list) -> list:
         """Token ids per row of texts: a list, None for a null, an error string if the
         tokenizer failed (or the text is one already: a row error)."""
-        present = [i for i, t in enumerate(strs) if t is not None and not isinstance(t, ChatError)]
+        present = [i for i, t in enumerate(strs) if isinstance(t, str)]
         out: list = [None] * len(strs)
         try:
             encs = self.tokenizer.encode_batch_fast([strs[i] for i in present],
@@ -52,19 +58,23 @@ class Tokenize:
         for i, e in zip(present, encs):
             out[i] = e if isinstance(e, str) else e.ids
         for i, t in enumerate(strs):
-            if isinstance(t, ChatError):
-                out[i] = f"messages: {t}"[:500]
+            if isinstance(t, Exception):  # a conversation or request line that cannot run
+                out[i] = f"{PROBLEMS[type(t)]}: {t}"[:500]
         return out
 
-    def _texts(self, batch) -> tuple[list, list | None]:
-        """(prompt texts, target texts or None) of the batch's rows: its text (and target)
-        columns, or its conversations rendered by the DSv4 chat encoding (`model/chat.py`:
+    def _texts(self, batch) -> tuple[list, list | None, dict]:
+        """(prompt texts, target texts or None, columns to add) of the batch's rows: its text (and
+        target) columns, its conversations rendered by the DSv4 chat encoding (`model/chat.py`:
         generation renders the prompt, scoring splits off the last assistant reply as the target;
-        a malformed conversation is its row's `ChatError`)."""
+        a malformed conversation is its row's `ChatError`), or its OpenAI batch request lines
+        (`openai_batch.parse`: the prompt, and the sampling parameters and response metadata as
+        JSON columns)."""
         cfg = self.config
+        if getattr(cfg, "is_openai", False):
+            return self._requests(batch[cfg.text_column].to_pylist())
         if not cfg.messages_column:
             target = getattr(cfg, "target_column", None)  # scoring's continuation column
-            return _texts(batch[cfg.text_column]), _texts(batch[target]) if target else None
+            return _texts(batch[cfg.text_column]), _texts(batch[target]) if target else None, {}
         prompts, targets = [], []
         for value in batch[cfg.messages_column].to_pylist():
             try:
@@ -77,7 +87,19 @@ class Tokenize:
             except chat.ChatError as exc:
                 prompts.append(exc)
                 targets.append(exc)
-        return prompts, targets if cfg.task == "score" else None
+        return prompts, targets if cfg.task == "score" else None, {}
+
+    def _requests(self, lines: list) -> tuple[list, None, dict]:
+        prompts, params, metas = [], [], []
+        for line in lines:
+            try:
+                prompt, p, meta = openai_batch.parse(line, self.config.thinking)
+            except openai_batch.RequestError as exc:
+                prompt, p, meta = exc, {}, {"custom_id": openai_batch.custom_id(line)}
+            prompts.append(prompt)
+            params.append(json.dumps(p))
+            metas.append(json.dumps(meta))
+        return prompts, None, {S.OPENAI_SAMPLING: params, S.OPENAI_META: metas}
 
     def __call__(self, batch):
         t0 = time.perf_counter()
@@ -111,7 +133,7 @@ class Tokenize:
 
         cfg = self.config
         S.check_columns("tokenize", self.spec(cfg).reads, batch.column_names, "batch")
-        prompt_texts, target_texts = self._texts(batch)
+        prompt_texts, target_texts, added = self._texts(batch)
         prompts = self._encode(prompt_texts)
         targets = self._encode(target_texts) if target_texts is not None else None
         n_rows = batch.num_rows
@@ -139,6 +161,8 @@ class Tokenize:
         out = out.append_column(S.INPUT_IDS, pa.ListArray.from_arrays(offsets, flat))
         out = out.append_column(S.NUM_SCORED, pa.array(scored, pa.int32()))
         out = out.append_column(S.NUM_TRUNCATED, pa.array(truncated, pa.int32()))
+        for name, values in added.items():
+            out = out.append_column(name, pa.array(values, pa.string()))
         return out.append_column(S.ERROR, pa.array(errors, pa.string()))
 
 
