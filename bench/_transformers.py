@@ -58,6 +58,15 @@ def hf_score(hf, batch, head: bool = True):
             logits.log_softmax(-1).gather(1, x[0, 1:, None])
 
 
+def hf_generate(hf, batch, new_tokens: int):
+    """transformers' greedy `generate` of `new_tokens` tokens per request, one request at a time
+    (it refuses left padding for DSv4, so that is how a transformers user batches)."""
+    with torch.no_grad():
+        for ids in batch:
+            hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                        pad_token_id=0)
+
+
 class BaselineProcess:
     """`seconds(batch, head)`: one timed `hf_score` call of transformers on the checkpoint folder
     `path` (`twin_checkpoint`'s), in a child process (default) or in this one (is_shared).
@@ -77,6 +86,11 @@ class BaselineProcess:
         if self.hf is not None:
             return best_of(lambda: hf_score(self.hf, batch, head), 1)
         return self._ask({"batch": batch, "head": head})
+
+    def generate_seconds(self, batch, new_tokens: int) -> float:
+        if self.hf is not None:
+            return best_of(lambda: hf_generate(self.hf, batch, new_tokens), 1)
+        return self._ask({"batch": batch, "generate": new_tokens})
 
     def _ask(self, request: dict) -> float:
         self.child.stdin.write(json.dumps(request) + "\n")
@@ -101,11 +115,15 @@ class BaselineProcess:
 
 
 def serve(path: str) -> None:
-    """The child: load the twin, then answer each stdin line {"batch", "head"} with {"seconds"}."""
+    """The child: load the twin, then answer each stdin line {"batch", "head"} (scoring) or
+    {"batch", "generate": new tokens} with {"seconds"}."""
     hf = load_twin(path)
     for line in sys.stdin:
         request = json.loads(line)
-        seconds = best_of(lambda: hf_score(hf, request["batch"], request["head"]), 1)
+        if "generate" in request:
+            seconds = best_of(lambda: hf_generate(hf, request["batch"], request["generate"]), 1)
+        else:
+            seconds = best_of(lambda: hf_score(hf, request["batch"], request["head"]), 1)
         print(json.dumps({"seconds": seconds}), flush=True)
 
 

@@ -59,6 +59,18 @@ def generate(src, out, checkpoint, *extra) -> int:
                  "--keep-columns", "source", "--max-model-len", "256", *GEN, *extra])
 
 
+def kill_after_first_part(args: list, out, ray_address: str, tmp_path) -> None:
+    """Run the CLI with `args` as a driver subprocess on the module's Ray, SIGKILL it once its
+    first part file exists, and wait until Ray has ended its job's actors."""
+    with open(tmp_path / "driver.log", "w") as log:
+        driver = subprocess.Popen([sys.executable, "-m", "dsv4batch.jobs.score", *args, "--ray-address", ray_address],
+                                  stdout=log, stderr=log, cwd=REPO)
+        wait_for(lambda: parts(out), "the first part file", proc=driver)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    wait_for(lambda: not alive_pipeline_actors(ray_address), "the killed job's actors to stop", 120)
+
+
 def rows_by_id(out) -> dict:
     names = os.listdir(out)
     assert "_SUCCESS" in names and not [n for n in names if n.startswith("_tmp-")]
@@ -123,13 +135,7 @@ def test_killed_driver_then_resume_gives_the_same_rows(dataset, reference, check
     out = tmp_path / "out"
     args = ["generate", str(src), str(out), "--model", checkpoint, "--sampling-params-column", "params",
             "--keep-columns", "source", "--max-model-len", "256", *GEN, *SMALL_PARTS]
-    with open(tmp_path / "driver.log", "w") as log:
-        driver = subprocess.Popen([sys.executable, "-m", "dsv4batch.jobs.score", *args, "--ray-address", local_ray],
-                                  stdout=log, stderr=log, cwd=REPO)
-        wait_for(lambda: parts(out), "the first part file", proc=driver)
-        driver.send_signal(signal.SIGKILL)
-        driver.wait()
-    wait_for(lambda: not alive_pipeline_actors(local_ray), "the killed job's actors to stop", 120)
+    kill_after_first_part(args, out, local_ray, tmp_path)
     written = part_rows(out)
     assert 0 < written < len(ids) and "_SUCCESS" not in os.listdir(out)
     assert main([*args, "--resume"]) == 0
@@ -200,13 +206,7 @@ def test_openai_batch_file_in_and_out(tmp_path, checkpoint, local_ray):
     args = ["generate", str(src), str(out), "--model", checkpoint, "--input-format", "openai-batch",
             "--output-format", "openai-batch", "--max-model-len", "256", "--logprobs", "--top-logprobs", "2",
             *SMALL_PARTS]
-    with open(tmp_path / "driver.log", "w") as log:  # killed after its first part file, then resumed
-        driver = subprocess.Popen([sys.executable, "-m", "dsv4batch.jobs.score", *args, "--ray-address", local_ray],
-                                  stdout=log, stderr=log, cwd=REPO)
-        wait_for(lambda: parts(out), "the first part file", proc=driver)
-        driver.send_signal(signal.SIGKILL)
-        driver.wait()
-    wait_for(lambda: not alive_pipeline_actors(local_ray), "the killed job's actors to stop", 120)
+    kill_after_first_part(args, out, local_ray, tmp_path)  # then resumed
     assert 0 < part_rows(out) < 50 and "output.jsonl" not in os.listdir(out)
     assert main([*args, "--resume"]) == 0
     lines = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]
