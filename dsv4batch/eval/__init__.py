@@ -7,8 +7,9 @@ torch. `dsv4batch eval` (`dsv4batch.jobs.eval`) imports it, then runs `lm_eval.s
     import dsv4batch.eval, lm_eval
     lm_eval.simple_evaluate(model="dsv4batch", model_args="pretrained=/models/dsv4", tasks=[...])
 
-Parts: `tokens` (tokenization as lm-eval's `hf` backend has it), `scorer` (requests -> scores,
-in-process or on Ray Data), `lm` (the `TemplateLM`).
+Parts: `tokens` (tokenization as lm-eval's `hf` backend has it), `generation` (generate_until
+requests as engine requests, the vllm backend's semantics), `scorer` (requests -> scores or
+generations, in-process or on Ray Data), `lm` (the `TemplateLM`).
 """
 
 from dsv4batch.eval.lm import DSv4LM

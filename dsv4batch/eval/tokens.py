@@ -5,7 +5,8 @@ lm-eval's `hf` backend loads `AutoTokenizer.from_pretrained(PATH)` and encodes w
 `add_bos_token` model argument sets it, and nothing (the tokenizer's own default) otherwise;
 text that starts with the bos string is encoded without special tokens. The loglikelihood
 prefix (an empty context, the first rolling window) is `prefix_token_id`, else the tokenizer's
-bos id, else its eos id. `EvalTokenizer` reproduces exactly that, with the same transformers
+bos id, else its eos id; generated ids are decoded with special tokens skipped (`hf`'s
+`tok_decode`). `EvalTokenizer` reproduces exactly that, with the same transformers
 tokenizer when the folder has a `tokenizer_config.json` (for `tiny`: the one packaged with the
 DSv4 tokenizer); a folder with only `tokenizer.json` is read with `tokenizers`, the prefix
 being the model's bos (config.json's `bos_token_id`). No torch.
@@ -58,10 +59,11 @@ class EvalTokenizer:
     def eot_token_id(self) -> int:
         return int(self.eos_id) if self.eos_id is not None else self.prefix_token_id
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """The text of `ids`; `skip_special_tokens` as `hf`'s `tok_decode` for generations."""
         if self.hf is not None:
-            return self.hf.decode(ids)
-        return self.raw.decode(list(ids), skip_special_tokens=False)
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of `text` (`hf`'s `tok_encode`: see the module doc)."""

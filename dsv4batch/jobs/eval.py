@@ -2,6 +2,7 @@
 
     dsv4batch eval --model PATH|tiny --tasks T1,T2 [--include-path DIR] [--num-fewshot N] \\
         [--limit N] [--output-path DIR] [--log-samples] [--batch-size N] [--max-length N] \\
+        [--gen-kwargs k=v,...] [--apply-chat-template] [--fewshot-as-multiturn] \\
         [--replicas N] [--tp T] [--ray-address ADDR] [--model-args k=v,...]
 
 Runs `lm_eval.simple_evaluate(model="dsv4batch", ...)`, prints lm-eval's results table and, with
@@ -9,8 +10,9 @@ Runs `lm_eval.simple_evaluate(model="dsv4batch", ...)`, prints lm-eval's results
 --log-samples `samples_<task>_<time>.jsonl`) through its `EvaluationTracker`. Offline: the
 Hugging Face hub and datasets are switched to offline mode unless the environment says
 otherwise, so local task files (`dataset_path: json` + `data_files`) are what runs. Generative
-tasks (`generate_until`) are refused up front. Exit codes: 0 done, 1 the run failed, 2 bad
-arguments, tasks, model folder, or lm-eval not installed (the `eval` extra).
+tasks (`generate_until`, e.g. gsm8k) generate on the engine; --apply-chat-template renders the
+prompts with the DSv4 chat encoding. Exit codes: 0 done, 1 the run failed, 2 bad arguments,
+tasks, model folder, or lm-eval not installed (the `eval` extra).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import time
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dsv4batch eval", description="Evaluate a DSv4 checkpoint with lm-evaluation-harness "
-        "0.4.13 tasks (loglikelihood, multiple_choice, loglikelihood_rolling) on the dsv4batch "
-        "engine, in this process or on Ray.")
+        "0.4.13 tasks (loglikelihood, multiple_choice, loglikelihood_rolling, generate_until) on "
+        "the dsv4batch engine, in this process or on Ray.")
     p.add_argument("--model", required=True, help="Checkpoint folder or 'tiny'.")
     p.add_argument("--tasks", required=True, help="Comma-separated task, group or tag names.")
     p.add_argument("--include-path", help="Folder of task YAML files to add to lm-eval's.")
@@ -40,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int,
                    help="Tokens the model sees per request, as lm-eval's hf max_length; longer "
                         "documents are scored in rolling windows. Default: 8191.")
+    p.add_argument("--gen-kwargs",
+                   help="Generation arguments for generate_until tasks, k=v,... over each task's "
+                        "own (e.g. max_gen_toks=64,temperature=0.6,do_sample=true).")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="Render prompts as DSv4 chat conversations (the model's chat encoding; "
+                        "thinking mode with --model-args thinking=true).")
+    p.add_argument("--fewshot-as-multiturn", nargs="?", const=True, default=None,
+                   type=lambda v: v.lower() in ("true", "1", "yes"),
+                   help="Few-shot examples as user/assistant turns (true/false); on with "
+                        "--apply-chat-template unless false, as in lm-eval's CLI.")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="Compute dtype; auto = bfloat16 on CUDA, float32 on CPU.")
     p.add_argument("--replicas", type=int, help="Score on Ray Data with this many replicas.")
@@ -48,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, help="Ranks per replica (tensor + expert parallel) on Ray.")
     p.add_argument("--model-args", default="",
                    help="More backend arguments, k=v,...: add_bos_token, prefix_token_id, "
-                        "max_batched_tokens, planner, cpus_per_replica, ...")
+                        "max_gen_toks, seed, thinking, max_batched_tokens, planner, "
+                        "cpus_per_replica, ...")
     p.add_argument("--seed", type=int, default=0, help="lm-eval's random seeds. Default: 0.")
     return p
 
@@ -65,19 +78,8 @@ def model_args(args) -> dict:
     return out
 
 
-def leaf_tasks(task_dict: dict) -> dict:
-    """{task name: Task} of lm-eval's nested task dict (groups flattened)."""
-    out = {}
-    for key, value in task_dict.items():
-        if isinstance(value, dict):
-            out.update(leaf_tasks(value))
-        else:
-            out[getattr(value, "task_name", None) or str(key)] = value
-    return out
-
-
 def check_tasks(names: list[str], manager) -> None:
-    """Unknown names and generative tasks are a `UsageError` (before the model loads)."""
+    """Unknown names are a `UsageError` (before the model loads)."""
     import difflib
 
     from dsv4batch.pipeline.errors import UsageError
@@ -89,12 +91,32 @@ def check_tasks(names: list[str], manager) -> None:
         raise UsageError("unknown task(s): " + ", ".join(
             n + (f" (did you mean {h[0]!r}?)" if h else "") for n, h in hints.items())
             + "; add a folder of task YAML files with --include-path")
-    tasks = leaf_tasks(manager.load_task_or_group(names))
-    generative = sorted(n for n, t in tasks.items() if t.OUTPUT_TYPE == "generate_until")
-    if generative:
-        from dsv4batch.eval.lm import GENERATE_REFUSED
 
-        raise UsageError(GENERATE_REFUSED.format(f": {', '.join(generative)}"))
+
+def multiturn(args) -> bool:
+    """--fewshot-as-multiturn, defaulting to --apply-chat-template (lm-eval's CLI rule);
+    `UsageError` when asked for without a chat template."""
+    from dsv4batch.pipeline.errors import UsageError
+
+    if args.fewshot_as_multiturn and not args.apply_chat_template:
+        raise UsageError("--fewshot-as-multiturn needs --apply-chat-template")
+    return bool(args.apply_chat_template if args.fewshot_as_multiturn is None
+                else args.fewshot_as_multiturn)
+
+
+def check_gen_kwargs(text: str | None) -> None:
+    """--gen-kwargs that the backend cannot honour are a `UsageError` (before the model loads)."""
+    from lm_eval.utils import simple_parse_args_string
+
+    from dsv4batch.eval.generation import DEFAULT_MAX_GEN_TOKS, parse_gen_kwargs
+    from dsv4batch.pipeline.errors import UsageError
+
+    if not text:
+        return
+    try:
+        parse_gen_kwargs(simple_parse_args_string(text), "", DEFAULT_MAX_GEN_TOKS)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--gen-kwargs: {exc}") from None
 
 
 def evaluate(args, log) -> dict:
@@ -106,6 +128,8 @@ def evaluate(args, log) -> dict:
     from dsv4batch.pipeline.runner import check_model
 
     check_model(args.model, args.tp or 1)
+    as_multiturn = multiturn(args)
+    check_gen_kwargs(args.gen_kwargs)
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     manager = TaskManager(include_path=args.include_path)
     check_tasks(names, manager)
@@ -120,6 +144,8 @@ def evaluate(args, log) -> dict:
         model="dsv4batch", model_args=model_args(args), tasks=names,
         num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=limit,
         log_samples=args.log_samples, evaluation_tracker=tracker, task_manager=manager,
+        gen_kwargs=args.gen_kwargs, apply_chat_template=args.apply_chat_template,
+        fewshot_as_multiturn=as_multiturn,
         random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
         fewshot_random_seed=args.seed)
     log(f"[dsv4batch] eval of {len(names)} task(s) took {time.time() - t0:.1f}s")

@@ -5,8 +5,8 @@
     texts = dsv4batch.pipeline.generate(ds, GenerateConfig(max_tokens=64))
     scores.write_parquet(...)                       # or more Ray Data steps
 
-`score_tokenized` is the same graph for requests that are token ids already (the lm-eval
-backend tokenizes itself): it starts at the ScoringActor pool.
+`score_tokenized` / `generate_tokenized` are the same graphs for requests that are token ids
+already (the lm-eval backend tokenizes itself): they start at the replica actor pool.
 
 Each input row comes out exactly once: every step keeps row count and order within a batch,
 and a row that cannot be processed carries an `error` instead of being dropped.
@@ -171,6 +171,24 @@ def score_tokenized(dataset, config: ScoreConfig, *, stats: Any = None,
     config, stats = _prepare(dataset, config, stats)
     _check_schema(dataset, ScoringActor.spec(config).reads)
     return _replicas(dataset, config, stats, scorer)
+
+
+def generate_tokenized(dataset, config: GenerateConfig, *, stats: Any = None,
+                       generator: type | None = None):
+    """`generate` for prompts tokenized already (the lm-eval backend's): no Tokenize step.
+
+    `dataset` columns: `id` (unique), `schema.INPUT_IDS` (list<int32>: the prompt ids fed as
+    they are, no bos added), `schema.NUM_SCORED` (int32, unused by generation but read with the
+    ids: 0), `error` (string, null for a request to generate) and, when
+    `config.sampling_params_column` is set, that column (a JSON object per row over the
+    config's sampling options; give each row its `seed` to make it independent of the run's).
+    Returns one output row per request, as `generate` does.
+    """
+    from dsv4batch.pipeline.stages.generate import GenerateActor
+
+    config, stats = _prepare(dataset, _task(config, GenerateConfig), stats)
+    _check_schema(dataset, (*GenerateActor.spec(config).reads, S.NUM_SCORED))
+    return _replicas(dataset, config, stats, generator)
 
 
 def _prepare(dataset, config: JobConfig, stats):

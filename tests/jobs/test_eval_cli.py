@@ -1,4 +1,5 @@
-"""`dsv4batch eval` refusals: exit 2 with the reason, before the model is loaded."""
+"""`dsv4batch eval` refusals (exit 2 with the reason, before the model is loaded), and the
+tiny model running a scoring and a generative task with the chat template."""
 
 import pytest
 
@@ -26,16 +27,21 @@ def test_usage_errors_exit_2(tasks, checkpoint, capsys, tmp_path):
     assert code == 2 and "--tasks" in text
     code, text = run(capsys, "--model", "tiny", "--tasks", "tiny_mcq", "--include-path", tasks)
     assert code == 2 and "unknown task(s): tiny_mcq (did you mean 'tiny_mc'?)" in text
-    code, text = run(capsys, "--model", "tiny", "--tasks", "tiny_mc,tiny_gen", "--include-path",
-                     tasks)
-    assert code == 2 and "does not generate: generate_until (generative tasks: tiny_gen)" in text
+    code, text = run(capsys, "--model", "tiny", "--tasks", "tiny_gen", "--fewshot-as-multiturn")
+    assert code == 2 and "--fewshot-as-multiturn needs --apply-chat-template" in text
+    code, text = run(capsys, "--model", "tiny", "--tasks", "tiny_gen", "--gen-kwargs",
+                     "max_gen_toks=4,repetition_penalty=1.1")
+    assert code == 2 and "--gen-kwargs" in text and "['repetition_penalty']" in text
     code, text = run(capsys, "--model", str(tmp_path / "nope"), "--tasks", "tiny_mc",
                      "--include-path", tasks)
     assert code == 2 and "model" in text and "nope" in text
 
 
-def test_tiny_model_runs_a_task_and_prints_the_table(tasks, capsys):
-    code, text = run(capsys, "--model", "tiny", "--tasks", "tiny_mc", "--include-path", tasks,
-                     "--limit", "2")
+def test_tiny_model_runs_tasks_and_prints_the_table(tasks, capsys):
+    code, text = run(capsys, "--model", "tiny", "--tasks", "tiny_mc,tiny_gen", "--include-path",
+                     tasks, "--limit", "2", "--apply-chat-template", "--gen-kwargs",
+                     "max_gen_toks=4")
     assert code == 0, text
-    assert "|tiny_mc|" in text.replace(" ", "") and "acc_norm" in text
+    table = text.replace(" ", "")
+    assert "|tiny_mc|" in table and "acc_norm" in text
+    assert "|tiny_gen|" in table and "exact_match" in text  # generated, in chat form
