@@ -160,12 +160,10 @@ class RayScorer(Scorer):
 
         import pyarrow as pa
 
-        from dsv4batch.pipeline import schema as S
         from dsv4batch.pipeline.graph import generate_tokenized
 
         config = generate_config(self.config)
         table = _requests_table([ids for ids, _ in requests], {
-            S.NUM_SCORED: pa.array([0] * len(requests), pa.int32()),
             SAMPLING_COLUMN: pa.array([json.dumps(p.to_dict()) for _, p in requests], pa.string())})
         rows = self._run(table, lambda ds, stats: generate_tokenized(ds, config, stats=stats),
                          ["generated_token_ids", "finish_reason"])

@@ -178,8 +178,7 @@ def generate_tokenized(dataset, config: GenerateConfig, *, stats: Any = None,
     """`generate` for prompts tokenized already (the lm-eval backend's): no Tokenize step.
 
     `dataset` columns: `id` (unique), `schema.INPUT_IDS` (list<int32>: the prompt ids fed as
-    they are, no bos added), `schema.NUM_SCORED` (int32, unused by generation but read with the
-    ids: 0), `error` (string, null for a request to generate) and, when
+    they are, no bos added), `error` (string, null for a request to generate) and, when
     `config.sampling_params_column` is set, that column (a JSON object per row over the
     config's sampling options; give each row its `seed` to make it independent of the run's).
     Returns one output row per request, as `generate` does.
@@ -187,7 +186,7 @@ def generate_tokenized(dataset, config: GenerateConfig, *, stats: Any = None,
     from dsv4batch.pipeline.stages.generate import GenerateActor
 
     config, stats = _prepare(dataset, _task(config, GenerateConfig), stats)
-    _check_schema(dataset, (*GenerateActor.spec(config).reads, S.NUM_SCORED))
+    _check_schema(dataset, GenerateActor.spec(config).reads)
     return _replicas(dataset, config, stats, generator)
 
 

@@ -17,7 +17,7 @@ import time
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import GenerateConfig
 from dsv4batch.pipeline.stages.actor import Answer, ReplicaActor
-from dsv4batch.pipeline.stages.score import read_requests
+from dsv4batch.pipeline.stages.score import read_ids
 
 
 class GenerateActor(ReplicaActor):
@@ -36,7 +36,7 @@ class GenerateActor(ReplicaActor):
     def process(self, batch, errors: list, isolate: str | None, params: list, incoming: list) -> Answer:
         from dsv4batch.model.stats import StepStats
 
-        ids, _, _ = read_requests(batch)
+        ids = read_ids(batch)
         results: list = [None] * batch.num_rows
         stats = StepStats()
         if not isolate:

@@ -56,16 +56,20 @@ class ScoringActor(ReplicaActor):
 
 # -- the output columns ----------------------------------------------------------------------
 
+def read_ids(batch) -> list:
+    """Each row's token ids (numpy int32 views) from a tokenized Arrow batch."""
+    col = batch[S.INPUT_IDS].combine_chunks()
+    offsets = col.offsets.to_numpy()
+    values = col.values.to_numpy(zero_copy_only=False)
+    return [values[offsets[i]:offsets[i + 1]] for i in range(len(col))]
+
+
 def read_requests(batch):
     """(token id lists, scored-token counts, incoming errors) from a tokenized Arrow batch."""
     import numpy as np
 
-    col = batch[S.INPUT_IDS].combine_chunks()
-    offsets = col.offsets.to_numpy()
-    values = col.values.to_numpy(zero_copy_only=False)
-    ids = [values[offsets[i]:offsets[i + 1]] for i in range(len(col))]
     scored = batch[S.NUM_SCORED].to_numpy(zero_copy_only=False).astype(np.int64)
-    return ids, scored, batch[S.ERROR].to_pylist()
+    return read_ids(batch), scored, batch[S.ERROR].to_pylist()
 
 
 def tail(scores, n: int):
