@@ -24,6 +24,14 @@ def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[0] + rng.integers(3, vocab, size=n - 1).tolist() for n in lengths]
 
 
+def machine(isa: str = "native") -> dict:
+    """{"cpu": the CPU model, "isa": the C++ kernels' ISA} after running `isa`'s kernels from now on
+    (`kernels.cpu.use_isa`): what every bench result is headed by."""
+    from dsv4batch.kernels import cpu, select
+
+    return {"cpu": select.cpu_model(), "isa": cpu.use_isa(isa)}
+
+
 def emit(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))

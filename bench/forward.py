@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 from bench._transformers import BaselineProcess, twin_checkpoint
-from bench.common import best_of, emit, random_prompts
+from bench.common import best_of, emit, machine, random_prompts
 
 
 def dsv4_shape_config():
@@ -44,19 +44,47 @@ def dsv4_shape_config():
     return cfg
 
 
+def unseen_config():
+    """A third shape no kernel was tuned on: 16 heads of 128 (tiny: 4 of 64; dsv4-shape: 8 of 512),
+    a 32,768-id vocabulary (both others: 129,280), hidden 512, indexer 4 heads of 128 with top-k 32
+    (the indexer kernel's 8-head block left unused), layers SWA / CSA / HCA / CSA."""
+    cfg = dsv4_shape_config()
+    for key, value in dict(vocab_size=32768, hidden_size=512, num_attention_heads=16, head_dim=128,
+                           q_lora_rank=192, o_groups=4, o_lora_rank=96, index_n_heads=4, index_head_dim=128,
+                           index_topk=32, partial_rotary_factor=32 / 128, moe_intermediate_size=192).items():
+        setattr(cfg, key, value)
+    cfg.qk_rope_head_dim = 32
+    for rope in cfg.rope_parameters.values():
+        rope["partial_rotary_factor"] = 32 / 128
+    return cfg
+
+
+# the seeded bench models other than `tiny` (which ships with the package)
+CONFIGS = {"dsv4-shape": dsv4_shape_config, "unseen": unseen_config}
+
+
+def seeded_model(name: str):
+    """`DSv4Model` of bench model `name` (a key of CONFIGS) with `tiny.seed_weights`' values."""
+    from dsv4batch.model import DSv4Model
+    from dsv4batch.model.tiny import seed_weights
+
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}: tiny or one of {sorted(CONFIGS)}")
+    model = DSv4Model(CONFIGS[name]())
+    seed_weights(model)
+    return model
+
+
 def build_pair(name: str, config, is_shared: bool = False):
     """(our Engine, transformers on identical seeded weights as a `BaselineProcess`: its own
     process unless is_shared). One checkpoint folder serves both; the baseline's close removes it."""
-    from dsv4batch.model import TINY, DSv4Model, Engine
-    from dsv4batch.model.tiny import seed_weights
+    from dsv4batch.model import TINY, Engine
 
     if name == TINY:
         ours = Engine.from_pretrained(TINY, config=config)
         path = twin_checkpoint(ours.model)
     else:
-        model = DSv4Model(dsv4_shape_config())
-        seed_weights(model)
-        path = twin_checkpoint(model)
+        path = twin_checkpoint(seeded_model(name))
         ours = Engine.from_pretrained(path, config=config)
     return ours, BaselineProcess(path, is_shared)
 
@@ -75,15 +103,10 @@ def quantized_checkpoint(name: str) -> str:
     layout (FP8 128x128-block linears, FP4 routed experts; `save_checkpoint(quantize=True)`)."""
     import os
 
-    from dsv4batch.model import TINY, DSv4Model
+    from dsv4batch.model import TINY
     from dsv4batch.model.loader import load_model, save_checkpoint
-    from dsv4batch.model.tiny import seed_weights
 
-    if name == TINY:
-        model = load_model(TINY)
-    else:
-        model = DSv4Model(dsv4_shape_config())
-        seed_weights(model)
+    model = load_model(TINY) if name == TINY else seeded_model(name)
     path = tempfile.mkdtemp(prefix="dsv4batch-bench-quant-")
     save_checkpoint(model, path, quantize=True)
     os.remove(os.path.join(path, "tokenizer.json"))  # the packaged tokenizer is the same
@@ -100,7 +123,8 @@ def weights_bench(args, config) -> dict:
     from dsv4batch.model.model import model_tensors
 
     modes = args.weights.split(",")
-    result = {"bench": "forward", "weights": modes, "threads": torch.get_num_threads(), "models": {}}
+    result = {"bench": "forward", **machine(args.isa), "weights": modes, "threads": torch.get_num_threads(),
+              "models": {}}
     for model_name in args.models.split(","):
         path = quantized_checkpoint(model_name)
         engines = {w: Engine.from_pretrained(path, config=config, weights=w) for w in modes}
@@ -140,6 +164,7 @@ def main(argv):
                         "time these load modes of a native FP8/FP4 checkpoint of each model")
     parser.add_argument("--head-precision", default="fp32", help="our engine's EngineConfig.head_precision "
                         "(bf16: the opt-in bf16 head where the CPU has bf16 units)")
+    parser.add_argument("--isa", default="native", help="the C++ kernels' build: native, avx512, avx2 or generic")
     args = parser.parse_args(argv)
     from dsv4batch.model import EngineConfig
 
@@ -147,8 +172,8 @@ def main(argv):
     if args.weights:
         emit(weights_bench(args, config), args.json)
         return
-    result = {"bench": "forward", "threads": torch.get_num_threads(), "head_precision": args.head_precision,
-              "models": {}}
+    result = {"bench": "forward", **machine(args.isa), "threads": torch.get_num_threads(),
+              "head_precision": args.head_precision, "models": {}}
     for model_name in args.models.split(","):
         ours, hf = build_pair(model_name, config, args.hf_shared)
         cases = {f"single_{n}": [int(n)] for n in args.lengths.split(",")}

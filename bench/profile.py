@@ -22,6 +22,8 @@ head (`DSV4BATCH_CPU_GEMM=onednn`), the engine before these kernels; `attn` = th
 attention kernel and the tiled head; `fused` = both C++ kernels (the default): tokens/s,
 speedups over `tiled` and the logprobs' absolute difference from it (`bench/variants.py`).
 `--attn-backend`: our engine's `EngineConfig.attn_backend` for every other measurement.
+`--isa`: the C++ kernels' build for the whole run (`native`: the best this CPU runs; `avx2`
+reproduces an AVX2 machine's kernels on an AVX-512 one); every result names the CPU and the ISA.
 `--bf16`: fp32 vs the same model cast to bfloat16 (CPU AMX / AVX512-BF16 GEMMs accumulate in
 fp32) and vs the fp32 model with a bf16 head (`head_precision="bf16"`) on each case: tokens/s and
 the logprobs' absolute difference from fp32 (max, mean). `--head-precision bf16`: every other
@@ -37,7 +39,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from bench.common import best_of, emit, random_prompts
+from bench.common import best_of, emit, machine, random_prompts
 from bench.variants import bf16_case, kernels_case
 
 TYPE = {1: "swa", 4: "c4", 128: "c128"}
@@ -53,17 +55,14 @@ def case_lengths(name: str) -> list[int]:
 
 
 def build_engine(model_name: str, config):
-    """Our engine alone (no transformers twin): `tiny` or the `dsv4-shape` seeded model."""
-    from dsv4batch.model import TINY, DSv4Model, Engine
-    from dsv4batch.model.tiny import seed_weights
+    """Our engine alone (no transformers twin): `tiny` or a seeded bench model (`dsv4-shape`, `unseen`)."""
+    from dsv4batch.model import TINY, Engine
 
     if model_name == TINY:
         return Engine.from_pretrained(TINY, config=config)
-    from bench.forward import dsv4_shape_config
+    from bench.forward import seeded_model
 
-    model = DSv4Model(dsv4_shape_config())
-    seed_weights(model)
-    return Engine(model, config)
+    return Engine(seeded_model(model_name), config)
 
 
 class Regions:
@@ -314,13 +313,15 @@ def main(argv):
     parser.add_argument("--kernels", action="store_true", help="the engine without / with the C++ CPU kernels "
                         "(attention, head): speed and logprob difference")
     parser.add_argument("--attn-backend", default="auto", help="our engine's EngineConfig.attn_backend")
+    parser.add_argument("--isa", default="native", help="the C++ kernels' build: native (the best this CPU "
+                        "runs), avx512, avx2 (-march=x86-64-v3, as on any AVX2 machine) or generic")
     args = parser.parse_args(argv)
     from dsv4batch.model import EngineConfig
 
     max_len = max([16384] + [int(n) for n in args.scaling.split(",") if n])
     config = EngineConfig(max_num_batched_tokens=4096, max_model_len=max_len, head_precision=args.head_precision,
                           attn_backend=args.attn_backend)
-    result = {"bench": "profile", "threads": torch.get_num_threads(), "models": {}}
+    result = {"bench": "profile", **machine(args.isa), "threads": torch.get_num_threads(), "models": {}}
     for model_name in args.models.split(","):
         out = result["models"].setdefault(model_name, {})
         if args.compare:

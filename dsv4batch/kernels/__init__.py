@@ -72,11 +72,13 @@ from .env import env_choice
 from .indexer import indexer_topk_torch
 from .quant_matmul import quant_backends, quant_linear
 from .reference import check_shapes, sparse_mla_prefill_torch
+from .select import chosen, selection
 
 __all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "requested_backend", "ENV_BACKEND",
            "quant_linear", "quant_backends", "dense_linear", "pack_weight", "bf16_linear", "bf16_available",
            "head_stats", "head_supported", "pack_head", "indexer_topk", "elementwise_supported", "rope_cpu",
-           "hc_collapse_cpu", "hc_post_cpu", "hc_pre_cpu", "HC_MAX", "rms_norm_cpu", "swiglu_cpu"]
+           "hc_collapse_cpu", "hc_post_cpu", "hc_pre_cpu", "HC_MAX", "rms_norm_cpu", "swiglu_cpu", "chosen",
+           "selection"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
 _BACKENDS = ("auto", "torch", "cpu", "flashmla")
@@ -86,7 +88,7 @@ def available_backends() -> list[str]:
     """Backends usable in this process: ``"torch"`` always; ``"cpu"`` when its kernel builds;
     ``"flashmla"`` when ``flash_mla`` imported and the current CUDA device is sm90/sm100 (shape
     limits are checked per call)."""
-    names = ["torch"] + (["cpu"] if _cpu.library() is not None else [])
+    names = ["torch"] + (["cpu"] if _cpu.available() else [])
     if _flashmla.flash_mla_sparse_fwd_fn is not None and torch.cuda.is_available():
         probe = torch.empty(0, 1, _flashmla.D_QK, device="cuda")
         if _flashmla.unsupported_reason(probe) is None:
@@ -114,7 +116,7 @@ def _resolve(backend: str, q: torch.Tensor, d_v: Optional[int]) -> str:
     if backend == "auto":
         if _flashmla.unsupported_reason(q, d_v) is None:
             return "flashmla"
-        return "cpu" if _cpu.unsupported_reason(q, d_v) is None else "torch"
+        return "cpu" if _cpu.unsupported_reason(q, d_v) is None and chosen("sparse_mla") else "torch"
     if backend != "torch":
         reason = (_flashmla if backend == "flashmla" else _cpu).unsupported_reason(q, d_v)
         if reason is not None:
@@ -165,7 +167,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_lo: t
     kernels build, runs ``csrc/indexer.cpp``; anything else the torch definition. Forcing
     ``"cpu"`` where it cannot run raises ``RuntimeError``."""
     asked = requested_backend(backend)
-    if asked in ("auto", "cpu") and _cpu.indexer_supported(q):
+    if _cpu.indexer_supported(q) and (asked == "cpu" or (asked == "auto" and chosen("indexer"))):
         return _cpu.indexer_topk_cpu(q, w, keys, key_lo, visible, width)
     if asked == "cpu":
         reason = f"q is on {q.device}" if q.device.type != "cpu" else f"it could not be built ({_cpu.build_error()})"

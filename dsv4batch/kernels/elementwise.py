@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .cpu import library
+from .cpu import op
 from .env import env_choice
+from .select import chosen
 
 ENV_ELEMENTWISE = "DSV4BATCH_CPU_ELEMENTWISE"
 
@@ -25,41 +26,30 @@ def _ew_threads(work: int) -> int:
 
 
 def elementwise_supported(*tensors: torch.Tensor) -> bool:
-    """Whether the token-wise kernels can take these tensors as they are: all fp32, contiguous,
-    on the CPU, no grad, the library built, and ``DSV4BATCH_CPU_ELEMENTWISE`` not ``torch``."""
+    """Whether the token-wise kernels run for these tensors: all fp32, contiguous, on the CPU, no
+    grad, ``DSV4BATCH_CPU_ELEMENTWISE`` not ``torch``, and the kernels built and chosen for this
+    ISA (``select.py``)."""
     if env_choice(ENV_ELEMENTWISE, ("auto", "torch")) == "torch":
         return False
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-               and not (t.requires_grad and torch.is_grad_enabled()) for t in tensors) and library() is not None
+               and not (t.requires_grad and torch.is_grad_enabled()) for t in tensors) and chosen("elementwise")
 
 
 def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`model.layers.Rope.apply` in place: x [n, ..., d], cos/sin [n, rd] (`elementwise_supported`
     for all three) -> x."""
-    n, d, rd = x.shape[0], x.shape[-1], cos.shape[-1]
-    if x.numel():
-        library().rope_inplace(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, x.numel() // max(n * d, 1), d, rd,
-                               _ew_threads(x.numel() // d * rd))
+    op("rope_")(x, cos, sin, _ew_threads(x.numel() // max(x.shape[-1], 1) * cos.shape[-1]))
     return x
 
 
 def hc_collapse_cpu(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`model.layers.hc_collapse`: weights [T, hc], x [T, hc, H] -> [T, H]."""
-    n, hc, h = x.shape
-    out = torch.empty(n, h, dtype=torch.float32)
-    if out.numel():
-        library().hc_collapse_fwd(x.data_ptr(), weights.data_ptr(), out.data_ptr(), n, hc, h, _ew_threads(x.numel()))
-    return out
+    return op("hc_collapse")(weights, x, _ew_threads(x.numel()))
 
 
 def hc_post_cpu(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """`model.layers.hc_post`: x [T, hc, H], out [T, H], post [T, hc], comb [hc, hc, T] -> [T, hc, H]."""
-    n, hc, h = x.shape
-    new = torch.empty(n, hc, h, dtype=torch.float32)
-    if new.numel():
-        library().hc_post_fwd(x.data_ptr(), out.data_ptr(), post.data_ptr(), comb.data_ptr(), new.data_ptr(), n, hc,
-                              h, _ew_threads(x.numel() * (hc + 1)))
-    return new
+    return op("hc_post")(x, out, post, comb, _ew_threads(x.numel() * (x.shape[1] + 1)))
 
 
 HC_MAX = 8  # streams csrc/elementwise.cpp's hc_pre_fwd holds per token
@@ -69,29 +59,14 @@ def hc_pre_cpu(mixes: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, base: 
                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`model.layers.hc_pre` after its GEMM: mixes [T, (2 + hc) * hc], x [T, hc, H] (hc <= HC_MAX),
     scale [3], base [(2 + hc) * hc] -> (post [T, hc], comb [hc, hc, T], collapsed [T, H])."""
-    n, hc, h = x.shape
-    post, comb, collapsed = torch.empty(n, hc), torch.empty(hc, hc, n), torch.empty(n, h)
-    if n:
-        library().hc_pre_fwd(mixes.data_ptr(), x.data_ptr(), scale.data_ptr(), base.data_ptr(), n, hc, h, iters,
-                             float(eps), post.data_ptr(), comb.data_ptr(), collapsed.data_ptr(),
-                             _ew_threads(x.numel()))
-    return post, comb, collapsed
+    return op("hc_pre")(mixes, x, scale, base, int(iters), float(eps), _ew_threads(x.numel()))
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`model.layers.RMSNorm`: x [..., d], weight [d] -> [..., d]."""
-    d = x.shape[-1]
-    y = torch.empty_like(x)
-    if y.numel():
-        library().rms_norm_fwd(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // d, d, float(eps),
-                               _ew_threads(2 * x.numel()))
-    return y
+    return op("rms_norm")(x, weight, float(eps), _ew_threads(2 * x.numel()))
 
 
 def swiglu_cpu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """`model.layers.swiglu`: gate, up [...] (same shape) -> silu(min(gate, limit)) * clamp(up)."""
-    y = torch.empty_like(gate)
-    if y.numel():
-        library().swiglu_fwd(gate.data_ptr(), up.data_ptr(), y.data_ptr(), y.numel(), float(limit),
-                             _ew_threads(3 * y.numel()))
-    return y
+    return op("swiglu")(gate, up, float(limit), _ew_threads(3 * gate.numel()))

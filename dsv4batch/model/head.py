@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..kernels import bf16_available, bf16_linear, dense_linear, head_stats, head_supported, pack_head, pack_weight
+from ..kernels import (bf16_available, bf16_linear, chosen, dense_linear, head_stats, head_supported, pack_head,
+                       pack_weight)
 from .config import HEAD_PRECISIONS
 from .parallel import SINGLE
 
@@ -203,7 +204,7 @@ class PackedHead:
         choice = cpu_gemm()
         if choice in ("onednn", "blas") or (precision == "bf16" and bf16_available()):
             return None
-        if not head_supported(weight):
+        if not head_supported(weight) or (choice == "auto" and not chosen("head")):
             if choice == "fused":
                 raise RuntimeError(f"{ENV_CPU_GEMM}=fused, but the fused head cannot run this weight "
                                    f"({weight.dtype} on {weight.device}) or its kernel is not built")

@@ -8,11 +8,12 @@ import torch
 import dsv4batch.model.layers as layers
 from dsv4batch.kernels import cpu as cpu_mod
 from dsv4batch.kernels import elementwise as ew_mod
+from tests.kernels.isas import isa  # noqa: F401 - the fixture the tests below use
 
 
 @pytest.fixture(autouse=True)
 def built():
-    assert cpu_mod.library() is not None, cpu_mod.build_error()  # CI has a compiler: a failed build fails
+    assert cpu_mod.available(), cpu_mod.build_error()  # CI has a compiler: a failed build fails
 
 
 @pytest.fixture
@@ -25,6 +26,7 @@ def torch_paths(monkeypatch):
     return run
 
 
+@pytest.mark.usefixtures("isa")
 def test_rope_equals_the_torch_path_and_touches_only_the_rope_dims(torch_paths):
     gen = torch.Generator().manual_seed(0)
     rope = layers.Rope(1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), 1.3)
@@ -41,6 +43,7 @@ def test_rope_equals_the_torch_path_and_touches_only_the_rope_dims(torch_paths):
 
 
 @pytest.mark.parametrize("hc", [4, 2])
+@pytest.mark.usefixtures("isa")
 def test_hc_pre_and_post_equal_the_torch_paths(torch_paths, hc):
     gen = torch.Generator().manual_seed(hc)
     T, H = 29, 48
@@ -73,6 +76,7 @@ def test_other_dtypes_and_views_take_the_torch_paths():
     assert ew_mod.elementwise_supported(x, x[0].contiguous())
 
 
+@pytest.mark.usefixtures("isa")
 def test_rms_norm_and_swiglu_equal_the_torch_paths(torch_paths):
     gen = torch.Generator().manual_seed(4)
     for shape in ((33, 64), (5, 3, 40)):  # 40: a vector tail

@@ -7,12 +7,14 @@ import torch
 from dsv4batch.kernels import cpu as cpu_mod
 from dsv4batch.kernels import indexer_topk
 from dsv4batch.kernels.indexer import indexer_topk_torch, tie_free_keys
+from dsv4batch.kernels.select import chosen
+from tests.kernels.isas import fail_build, isa  # noqa: F401 - isa: the fixture the tests below use
 
 
 @pytest.fixture(autouse=True)
 def built(monkeypatch):
     monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
-    assert cpu_mod.library() is not None, cpu_mod.build_error()  # CI has a compiler: a failed build fails
+    assert cpu_mod.available(), cpu_mod.build_error()  # CI has a compiler: a failed build fails
 
 
 def make_case(lengths, h, d, seed, starts=None):
@@ -38,6 +40,7 @@ def scores_of(q, w, keys, lo, n):
 
 
 @pytest.mark.parametrize("h,d,width", [(8, 32, 16), (8, 64, 64), (5, 20, 7), (12, 16, 40)])
+@pytest.mark.usefixtures("isa")
 def test_cpu_kernel_picks_what_the_definition_picks(h, d, width):
     """Every query's k = min(width, visible) picks: the k best scores, best first, valid ids;
     equal to the torch definition's picks wherever the scores leave no near-tie."""
@@ -57,6 +60,7 @@ def test_cpu_kernel_picks_what_the_definition_picks(h, d, width):
             assert torch.equal(picks, ref[i, :k]), i
 
 
+@pytest.mark.usefixtures("isa")
 def test_ties_go_to_the_lower_id_and_zeros_fill_the_rest():
     """All-zero queries: every score is 0 (ReLU of 0), so the picks are 0..k-1 in order; keys
     that repeat tie exactly and the earlier copy comes first; -0.0 ties +0.0."""
@@ -74,6 +78,7 @@ def test_ties_go_to_the_lower_id_and_zeros_fill_the_rest():
     assert torch.equal(got[-1], ref[-1])
 
 
+@pytest.mark.usefixtures("isa")
 def test_a_query_picks_the_same_alone_among_others_and_at_any_offset():
     """Batch invariance: a query's picks depend on its own q, w and keys only, whatever shares
     the call, where its keys sit in `keys` and how many threads run."""
@@ -94,6 +99,7 @@ def test_a_query_picks_the_same_alone_among_others_and_at_any_offset():
         assert torch.equal(alone[0], full[i])
 
 
+@pytest.mark.usefixtures("isa")
 def test_long_rows_and_a_wide_k_exercise_the_running_cut():
     """Thousands of keys per query and k near the buffer's size: the running k-th best is cut
     many times; the picks still equal a full sort's (best first, ties by id)."""
@@ -113,7 +119,8 @@ def test_empty_inputs_bounds_and_the_backend_rule(monkeypatch):
     assert indexer_topk(q, w, keys, key_lo, visible, 0, blocks, backend="cpu").shape == (q.shape[0], 0)
     with pytest.raises(ValueError, match="outside keys"):
         indexer_topk(q, w, keys[:10], key_lo, visible, 8, blocks, backend="cpu")
-    # auto takes the kernel; "torch" and DSV4BATCH_ATTN_BACKEND=torch the definition
+    # auto takes the kernel where this ISA's table chooses it; "torch" and DSV4BATCH_ATTN_BACKEND=torch
+    # the definition
     calls = []
     real = cpu_mod.indexer_topk_cpu
     monkeypatch.setattr(cpu_mod, "indexer_topk_cpu", lambda *a: calls.append("cpu") or real(*a))
@@ -121,10 +128,10 @@ def test_empty_inputs_bounds_and_the_backend_rule(monkeypatch):
     indexer_topk(q, w, keys, key_lo, visible, 8, blocks, backend="torch")
     monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "torch")
     indexer_topk(q, w, keys, key_lo, visible, 8, blocks)
-    assert calls == ["cpu"]
+    assert calls == (["cpu"] if chosen("indexer") else [])
     # no compiler: auto runs the definition (the same bits), a forced "cpu" says why
     monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND")
-    monkeypatch.setattr(cpu_mod, "_state", {"error": "RuntimeError: no C++ compiler"})
+    fail_build(monkeypatch)
     ref = indexer_topk_torch(q, w, keys, key_lo, visible, 8, blocks)
     assert torch.equal(indexer_topk(q, w, keys, key_lo, visible, 8, blocks), ref)
     with pytest.raises(RuntimeError, match="could not be built.*no C\\+\\+ compiler"):

@@ -56,6 +56,7 @@ def test_attn_kernel_names_the_backend_that_runs(tiny, monkeypatch):
     """auto on the CPU: the fused cpu kernel (torch where it cannot be built); forced ones as asked,
     a forced one that cannot run refused; the config's names are the kernels' backends."""
     from dsv4batch.kernels import _BACKENDS
+    from dsv4batch.kernels import build as build_mod
     from dsv4batch.kernels import cpu as cpu_mod
     from dsv4batch.model.config import ATTN_BACKENDS
 
@@ -68,7 +69,7 @@ def test_attn_kernel_names_the_backend_that_runs(tiny, monkeypatch):
     monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "triton")
     assert tiny.attn_kernel == "invalid DSV4BATCH_ATTN_BACKEND"
     monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND")
-    monkeypatch.setattr(cpu_mod, "_state", {"error": "RuntimeError: no C++ compiler"})
+    monkeypatch.setitem(build_mod._state, cpu_mod.isa(), "RuntimeError: no C++ compiler")
     assert tiny.attn_kernel == "torch"
     assert ATTN_BACKENDS == _BACKENDS
     with pytest.raises(ValueError, match="attn_backend"):

@@ -5,15 +5,17 @@ import numpy as np
 import pytest
 import torch
 
+from dsv4batch.kernels import build as build_mod
 from dsv4batch.kernels import cpu as cpu_mod
 from dsv4batch.kernels import head_stats, pack_head
 from dsv4batch.kernels.dense import ENV_CPU_GEMM
 from dsv4batch.model.head import PackedHead, fused_scores, tiled_logprobs
+from tests.kernels.isas import isa  # noqa: F401 - the fixture the tests below use
 
 
 @pytest.fixture(autouse=True)
 def built():
-    assert cpu_mod.library() is not None, cpu_mod.build_error()  # CI has a compiler: never skip
+    assert cpu_mod.available(), cpu_mod.build_error()  # CI has a compiler: never skip
 
 
 def reference(x, weight, targets):
@@ -24,6 +26,7 @@ def reference(x, weight, targets):
 
 
 @pytest.mark.parametrize("vocab,hidden", [(1000, 16), (1357, 128), (64, 256), (129, 8)])
+@pytest.mark.usefixtures("isa")
 def test_matches_a_full_log_softmax(vocab, hidden):
     gen = torch.Generator().manual_seed(vocab)
     n = 23  # 3 blocks of 6 rows and a rest of 5 (one row at a time)
@@ -40,6 +43,7 @@ def test_matches_a_full_log_softmax(vocab, hidden):
     torch.testing.assert_close(logprob, tiled_logprobs(x, weight, targets), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("isa")
 def test_head_stats_parts_and_bad_panels():
     gen = torch.Generator().manual_seed(3)
     x, weight = torch.randn(7, 32, generator=gen), torch.randn(200, 32, generator=gen)
@@ -54,6 +58,7 @@ def test_head_stats_parts_and_bad_panels():
         head_stats(x, pack_head(weight), 300, targets)
 
 
+@pytest.mark.usefixtures("isa")
 def test_rows_a_plain_sum_cannot_hold_are_redone_exactly():
     gen = torch.Generator().manual_seed(1)
     n, hidden, vocab = 9, 8, 3000
@@ -77,6 +82,7 @@ def test_rows_a_plain_sum_cannot_hold_are_redone_exactly():
         assert torch.equal(alone[0], logprob[i:i + 1]) and torch.equal(alone[1], is_max[i:i + 1])
 
 
+@pytest.mark.usefixtures("isa")
 def test_a_rows_bits_do_not_depend_on_its_batch_mates():
     gen = torch.Generator().manual_seed(5)
     n, hidden, vocab = 13, 64, 1005
@@ -104,7 +110,8 @@ def test_panels_follow_the_weight_and_the_switches(monkeypatch):
     x, targets = torch.randn(4, 16), torch.tensor([1, 2, 3, 299])
     head = PackedHead()
     panels = head.panels(weight)
-    assert panels is head.panels(weight) and panels.shape == (5, 16, 64)  # kept
+    width = cpu_mod.layout()[1]  # this ISA's panel width
+    assert panels is head.panels(weight) and panels.shape == (-(-weight.shape[0] // width), 16, width)  # kept
     before = fused_scores(x, weight, targets, head.panels(weight))[0]
     weight.mul_(2)  # an in-place write: rebuilt
     assert head.panels(weight) is not panels
@@ -116,7 +123,7 @@ def test_panels_follow_the_weight_and_the_switches(monkeypatch):
     assert head.panels(weight) is not None
     with pytest.raises(RuntimeError, match="fused"):
         head.panels(weight.bfloat16())
-    monkeypatch.setattr(cpu_mod, "_state", {"error": "RuntimeError: no C++ compiler"})
+    monkeypatch.setitem(build_mod._state, cpu_mod.isa(), "RuntimeError: no C++ compiler")
     with pytest.raises(RuntimeError, match="fused"):
         PackedHead().panels(weight)
     monkeypatch.delenv(ENV_CPU_GEMM)

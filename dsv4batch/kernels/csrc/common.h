@@ -1,54 +1,87 @@
-// What the CPU kernels share: 16-float vectors (GCC/Clang vector extensions: AVX-512 registers
-// with -march=native on a CPU that has them, two or four narrower ones elsewhere), their exp
-// and sums, and the static split of rows over threads.
+// What the CPU kernels share: the native float vector of the instruction set they are built for
+// (`build.py` compiles this library once per ISA: -march=x86-64-v4, x86-64-v3 or the compiler's
+// default), its exp and lane sums, and the static split of rows over threads.
+//
+// VL floats per vector: 16 (AVX-512, 32 registers), 8 (AVX2, 16 registers) or 4 (anything else:
+// SSE2 / NEON). Each kernel sizes its register blocks from VL (and the register count that comes
+// with it), so a block never spills. Written with the vector extensions GCC and clang share
+// (vector_size, element access, __builtin_convertvector, lane-wise ?:); lane shuffles go through
+// SHUFFLE, which is __builtin_shufflevector (clang, GCC >= 12) or GCC's older __builtin_shuffle.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <thread>
 #include <vector>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));  // aligned(4): any float pointer loads
-typedef int v16i __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+#define DSV4_VL 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DSV4_VL 8
+#else
+#define DSV4_VL 4
+#endif
+constexpr int VL = DSV4_VL;
 
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+typedef float vf __attribute__((vector_size(4 * DSV4_VL)));
+typedef int32_t vi __attribute__((vector_size(4 * DSV4_VL)));
+typedef float vf_unaligned __attribute__((vector_size(4 * DSV4_VL), aligned(4), may_alias));  // any float pointer
 
-// the sum of a vector's 16 lanes (a fixed tree: every call rounds alike)
-static inline float hsum(v16 v) {
-    v16 t = v + __builtin_shuffle(v, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    t = t + __builtin_shuffle(t, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    t = t + __builtin_shuffle(t, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    return t[0] + t[1];
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+static inline vf splat(float x) { return x - vf{}; }  // x - 0 is x (x + 0 would turn -0 into +0): a broadcast
+static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+static inline void store(float *p, vf v) { *(vf_unaligned *)p = v; }
+static inline vf vmax(vf a, vf b) { return a > b ? a : b; }  // NaN in a: b
+
+// the sum of a vector's lanes: halves added until one is left (a fixed tree: every call rounds alike)
+static inline float hsum(vf v) {
+    float a[VL];
+    store(a, v);
+    for (int w = VL / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) a[i] += a[i + w];
+    return a[0];
+}
+
+static inline float hmax(vf v) {  // -inf for no lane above it; NaN lanes skipped
+    float m = -INFINITY;
+    for (int l = 0; l < VL; l++) m = v[l] > m ? v[l] : m;
+    return m;
 }
 
 // e^f * 2^n for |f| <= ln2 / 2 and integral n in [-126, 127]: e^f by its degree-7 Taylor
 // polynomial (relative error below 1e-8), 2^n added to the exponent bits
-static inline v16 exp_scaled(v16 f, v16 n) {
-    v16 p = splat(1.0f / 5040);
-    p = p * f + splat(1.0f / 720); p = p * f + splat(1.0f / 120); p = p * f + splat(1.0f / 24);
-    p = p * f + splat(1.0f / 6); p = p * f + splat(0.5f); p = p * f + splat(1.0f); p = p * f + splat(1.0f);
-    return (v16)((v16i)p + (__builtin_convertvector(n, v16i) << 23));
+static inline vf exp_scaled(vf f, vf n) {
+    vf p = splat(1.0f / 5040);
+    p = p * f + 1.0f / 720; p = p * f + 1.0f / 120; p = p * f + 1.0f / 24;
+    p = p * f + 1.0f / 6; p = p * f + 0.5f; p = p * f + 1.0f; p = p * f + 1.0f;
+    return (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
 }
 
-static inline v16 round_nearest(v16 x) {  // |x| < 2^22: adding 1.5 * 2^23 drops the fraction, rounding
-    return (x + splat(12582912.0f)) - splat(12582912.0f);
+static inline vf round_nearest(vf x) {  // |x| < 2^22: adding 1.5 * 2^23 drops the fraction, rounding
+    return (x + 12582912.0f) - 12582912.0f;
 }
 
 // e^x for softmax inputs x <= 0 (-inf -> 0, below -87 -> 0): x = n ln2 + f (Cody-Waite: ln2 in two parts)
-static inline v16 vexp(v16 x) {
-    v16i under = x < splat(-87.0f);
+static inline vf vexp(vf x) {
+    vi under = x < -87.0f;
     x = under ? splat(-87.0f) : x;
-    v16 n = round_nearest(x * splat(1.44269504088896341f));
-    v16 r = exp_scaled(x - n * splat(0.693359375f) + n * splat(2.12194440e-4f), n);
+    vf n = round_nearest(x * 1.44269504088896341f);
+    vf r = exp_scaled(x - n * 0.693359375f + n * 2.12194440e-4f, n);
     return under ? splat(0.0f) : r;
 }
 
 // 2^z for any z: z < -126 -> 0, z > 127 -> inf; z = n + f, 2^f = e^(f ln2)
-static inline v16 vexp2(v16 z) {
-    v16i under = z < splat(-126.0f), over = z > splat(127.0f);
+static inline vf vexp2(vf z) {
+    vi under = z < -126.0f, over = z > 127.0f;
     z = under ? splat(-126.0f) : (over ? splat(127.0f) : z);
-    v16 n = round_nearest(z);
-    v16 r = exp_scaled((z - n) * splat(0.693147180559945f), n);
+    vf n = round_nearest(z);
+    vf r = exp_scaled((z - n) * 0.693147180559945f, n);
     r = under ? splat(0.0f) : r;
     return over ? splat(INFINITY) : r;
 }

@@ -8,60 +8,63 @@
 // is that of the 64-bit key (float bits made monotone) * 2^32 - e, as `tie_free_keys`).
 // Slots [k_i, width) of its row are 0.
 //
-// One query at a time: 48 keys x 8 heads of dot products accumulate in 24 vector registers
-// over the dimension (a key column read from the transposed keys feeds 8 heads; a query's
-// last tile takes 16 or 32 keys where that covers its rest), and the
-// weighted ReLU sum over heads folds into 3 more. Each 16 scores are then compared at once
-// with the running k-th best; the few that beat it go to a buffer (up to 2k + 64 keys, cut
-// back to k with nth_element when full), and the k survivors are sorted at the end: no
-// [heads, keys] block, no mask, no sort of every key. Nothing is
-// shared between queries, so a query's picks depend on its own q, w and keys alone (batch-
-// invariant). Threads take 8 queries at a time from a shared counter (later queries see more
-// keys, so static ranges would be uneven); the assignment does not change any result.
+// One query at a time: KW keys x HB heads of dot products accumulate in KV * HB vector registers
+// over the dimension (a key column read from the transposed keys feeds HB heads; a query's
+// last tile takes fewer vectors where that covers its rest), and the weighted ReLU sum over
+// heads folds into KV more. AVX-512: 48 keys x 8 heads (24 of 32 registers); AVX2 and others:
+// 3 vectors x 4 heads (12 of 16, with 3 key vectors and a broadcast). A head's dot products and
+// its place in the sum are the same in any block. Each VL scores are then compared at once with
+// the running k-th best; the few that beat it go to a buffer (up to 2k + 64 keys, cut back to k
+// with nth_element when full), and the k survivors are sorted at the end: no [heads, keys]
+// block, no mask, no sort of every key. Nothing is shared between queries, so a query's picks
+// depend on its own q, w and keys alone (batch-invariant). Threads take 8 queries at a time
+// from a shared counter (later queries see more keys, so static ranges would be uneven); the
+// assignment does not change any result.
 //
 // Tensors (contiguous): q fp32 [s, H, D]; w fp32 [s, H]; kt fp32 [D, E] (the keys transposed,
-// with >= 48 zero columns past the last key any query sees); lo, n int64 [s] (the caller
-// checks lo >= 0 and lo + n + 48 <= E); out int64 [s, width].
-#include <algorithm>
+// with >= KW (`indexer_tile()`) zero columns past the last key any query sees); lo, n int64 [s]
+// (the caller checks lo >= 0 and lo + n + KW <= E); out int64 [s, width].
 #include <atomic>
 #include <functional>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-#include "common.h"
+#include "kernels.h"
 
+namespace DSV4_NS {
 namespace {
 
-constexpr int KV = 3, KW = 16 * KV, HB = 8;  // key vectors per tile, keys per tile, heads per block
-constexpr int64_t GRAIN = 8;                 // queries a thread takes at a time
+constexpr int KV = 3, KW = VL * KV, HB = VL == 16 ? 8 : 4;  // key vectors / keys per tile, heads per block
+constexpr int64_t GRAIN = 8;                                // queries a thread takes at a time
 
-// sc[v] += sum over heads r < R of w[r] * relu(q[r] . key), for the 16 * NV keys at kt's columns
+// sc[v] += sum over heads r < R of w[r] * relu(q[r] . key), for the VL * NV keys at kt's columns
 template <int R, int NV>
-inline void head_block(const float *q, const float *w, const float *kt, int64_t E, int64_t D, v16 *sc) {
-    v16 acc[R][NV];
+inline void head_block(const float *q, const float *w, const float *kt, int64_t E, int64_t D, vf *sc) {
+    vf acc[R][NV];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = splat(0.0f);
     for (int64_t j = 0; j < D; j++) {
-        v16 k[NV];
-        for (int v = 0; v < NV; v++) k[v] = *(const v16 *)(kt + j * E + 16 * v);
+        vf k[NV];
+        for (int v = 0; v < NV; v++) k[v] = load(kt + j * E + VL * v);
         for (int r = 0; r < R; r++) {
-            v16 qb = splat(q[r * D + j]);
+            vf qb = splat(q[r * D + j]);
             for (int v = 0; v < NV; v++) acc[r][v] += qb * k[v];
         }
     }
     for (int r = 0; r < R; r++) {
-        v16 wb = splat(w[r]);
+        vf wb = splat(w[r]);
         for (int v = 0; v < NV; v++) {
-            v16 a = acc[r][v];
+            vf a = acc[r][v];
             sc[v] += wb * (a < splat(0.0f) ? splat(0.0f) : a);  // relu; NaN stays NaN
         }
     }
 }
 
-// the scores of one query's keys [e0, e0 + 16 * NV) into sc (every lane the same arithmetic)
+// the scores of one query's keys [e0, e0 + VL * NV) into sc (every lane the same arithmetic:
+// heads in order, whatever block they fall in)
 template <int NV>
-inline void tile(const float *q, const float *w, const float *kt, int64_t E, int64_t H, int64_t D, v16 *sc) {
+inline void tile(const float *q, const float *w, const float *kt, int64_t E, int64_t H, int64_t D, vf *sc) {
     for (int v = 0; v < NV; v++) sc[v] = splat(0.0f);
     int64_t h = 0;
     for (; h + HB <= H; h += HB) head_block<HB, NV>(q + h * D, w + h, kt, E, D, sc);
@@ -74,18 +77,20 @@ inline int64_t order_key(int32_t mapped, int64_t e) { return (int64_t)mapped * (
 inline int64_t key_column(int64_t key) { return ((INT64_C(1) << 32) - (key & 0xFFFFFFFF)) & 0xFFFFFFFF; }
 
 // a score's float bits made monotone: integer order = float order (-0.0 folded into +0.0)
-inline v16i monotone(v16 s) {
-    v16i b = (v16i)(s + splat(0.0f));
+inline vi monotone(vf s) {
+    vi b = (vi)(s + 0.0f);
     return b ^ ((b >> 31) & 0x7FFFFFFF);
 }
 
 // bit l set where lane l of m is true (-1)
-inline uint32_t lanes(v16i m) {
-#ifdef __AVX512F__
+inline uint32_t lanes(vi m) {
+#if DSV4_VL == 16
     return _mm512_cmplt_epi32_mask((__m512i)m, _mm512_setzero_si512());
+#elif DSV4_VL == 8 && defined(__AVX2__)
+    return (uint32_t)_mm256_movemask_ps((__m256)m);
 #else
     uint32_t bits = 0;
-    for (int l = 0; l < 16; l++) bits |= (m[l] != 0) << l;
+    for (int l = 0; l < VL; l++) bits |= (uint32_t)(m[l] != 0) << l;
     return bits;
 #endif
 }
@@ -106,12 +111,12 @@ struct Best {
         bar = (int32_t)((buf[k - 1] >> 32) + (buf[k - 1] & 0xFFFFFFFF ? 1 : 0));  // the k-th's mapped score
         is_cut = true;
     }
-    // 16 scores of keys e0 + l, l < valid
-    void add(v16 s, int64_t e0, int valid) {
-        v16i m = monotone(s);
-        uint32_t pass = is_cut ? lanes(m > (v16i){bar, bar, bar, bar, bar, bar, bar, bar, bar, bar, bar, bar, bar,
-                                                     bar, bar, bar}) : 0xFFFF;
-        pass &= valid >= 16 ? 0xFFFF : (1u << valid) - 1;
+    // VL scores of keys e0 + l, l < valid
+    void add(vf s, int64_t e0, int valid) {
+        constexpr uint32_t ALL = (1u << VL) - 1;
+        vi m = monotone(s);
+        uint32_t pass = is_cut ? lanes(m > (vi{} + bar)) : ALL;
+        pass &= valid >= VL ? ALL : (1u << valid) - 1;
         while (pass) {
             int l = __builtin_ctz(pass);
             pass &= pass - 1;
@@ -130,8 +135,10 @@ struct Best {
 
 }  // namespace
 
-extern "C" int indexer_topk(const float *q, const float *w, const float *kt, const int64_t *lo, const int64_t *n,
-                            int64_t s, int64_t H, int64_t D, int64_t E, int64_t width, int64_t *out, int threads) {
+int indexer_tile() { return KW; }
+
+int indexer_topk(const float *q, const float *w, const float *kt, const int64_t *lo, const int64_t *n, int64_t s,
+                 int64_t H, int64_t D, int64_t E, int64_t width, int64_t *out, int threads) {
     std::atomic<int64_t> next{0};
     if (threads < 1) threads = 1;
     run_split(threads, threads, [&](int64_t, int64_t) {  // one range per thread: a worker
@@ -143,15 +150,15 @@ extern "C" int indexer_topk(const float *q, const float *w, const float *kt, con
                 const int64_t ni = n[i], k = std::min(width, ni);
                 best.reset(k);
                 for (int64_t e0 = 0; e0 < ni; e0 += KW) {  // the last tile only as wide as it needs
-                    v16 sc[KV];
+                    vf sc[KV];
                     const float *ktile = kt + lo[i] + e0;
                     const int64_t left = ni - e0;
                     const float *qi = q + i * H * D, *wi = w + i * H;
-                    if (left > 32) tile<3>(qi, wi, ktile, E, H, D, sc);
-                    else if (left > 16) tile<2>(qi, wi, ktile, E, H, D, sc);
+                    if (left > 2 * VL) tile<3>(qi, wi, ktile, E, H, D, sc);
+                    else if (left > VL) tile<2>(qi, wi, ktile, E, H, D, sc);
                     else tile<1>(qi, wi, ktile, E, H, D, sc);
-                    for (int v = 0; v < KV && e0 + 16 * v < ni; v++)
-                        best.add(sc[v], e0 + 16 * v, (int)std::min<int64_t>(16, ni - e0 - 16 * v));
+                    for (int v = 0; v < KV && e0 + VL * v < ni; v++)
+                        best.add(sc[v], e0 + VL * v, (int)std::min<int64_t>(VL, ni - e0 - VL * v));
                 }
                 int64_t *row = out + i * width;
                 if (k > 0) best.emit(row);
@@ -161,3 +168,5 @@ extern "C" int indexer_topk(const float *q, const float *w, const float *kt, con
     });
     return 0;
 }
+
+}  // namespace DSV4_NS
