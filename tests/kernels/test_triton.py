@@ -1,10 +1,10 @@
 """The Triton kernels (`dsv4batch/kernels/triton/`) against the torch definitions.
 
-Without CUDA they run under Triton's interpreter on the CPU: `TRITON_INTERPRET=1` is set below,
-before the kernels are defined (they are defined on first use, so setting it at collection is in
-time; it then stays set for the session: the interpreter reads it again at its first launch).
-With CUDA the same tests run compiled on the GPU (the `device` fixture's "cuda" case, marked
-`gpu`). References: `dense_reference` (float64, independent of every backend) and the torch
+Without CUDA they run under Triton's interpreter on the CPU: `TRITON_INTERPRET=1` must be set
+before triton itself is imported (its own `triton.language` functions are @triton.jit too), and
+other test modules import it (transformers' models do), so `tests/conftest.py` sets it for the
+session; the line below covers running this file on its own. With CUDA the same tests run
+compiled on the GPU (the `device` fixture's "cuda" case, marked `gpu`). References: `dense_reference` (float64, independent of every backend) and the torch
 backend for attention; `quant_linear_reference` / a dense GEMM on the dequantized weight for the
 linears (bit for bit where the data make every sum exact, so the comparison is order-free).
 """
@@ -17,7 +17,7 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit is defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is defined (see above)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -278,6 +278,13 @@ def test_quant_backend_choice(monkeypatch):
     monkeypatch.setattr(ktriton, "interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="triton quant backend requested but unavailable: tensors on cpu"):
         quant_linear(x, q, scale, "fp4", backend="triton")
+
+
+def test_probes_pass(device):
+    """The one-time checks that gate "auto" on a GPU (`triton/probe.py`) pass here."""
+    from dsv4batch.kernels.triton.probe import probe
+
+    assert probe("attention", device) is None and probe("quant", device) is None
 
 
 # ------------------------------------------------------------------------------------- whole model

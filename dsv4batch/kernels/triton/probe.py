@@ -27,7 +27,12 @@ def probe(kind: str, device: torch.device) -> Optional[str]:
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
+    """Relative error over want's finite entries (NaN if got is not finite there; +-inf must match)."""
+    got, want = got.float(), want.float()
+    fin = want.isfinite()
+    if not torch.equal(got[~fin], want[~fin]):
+        return float("inf")
+    return float((got[fin] - want[fin]).norm() / want[fin].norm().clamp(min=1e-30))
 
 
 def _attention_error(device: torch.device) -> float:
