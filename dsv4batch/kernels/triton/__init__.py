@@ -34,6 +34,7 @@ except (ImportError, OSError, RuntimeError) as e:  # not installed, or a broken 
     IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 512  # the attention kernel keeps a query's [heads, d] tile in registers
 _PROBED: dict = {}  # (kind, device) -> None or why the probe failed
 
 
@@ -77,8 +78,8 @@ def unsupported_reason(q: torch.Tensor, d_v: Optional[int] = None) -> Optional[s
         return reason
     if q.dtype not in DTYPES:
         return f"q dtype {q.dtype}; the triton kernel takes {DTYPES}"
-    if not 0 < q.shape[-1] <= 512:
-        return f"d_qk={q.shape[-1]}; the triton kernel takes head dims up to 512"
+    if not 0 < q.shape[-1] <= MAX_HEAD_DIM:
+        return f"d_qk={q.shape[-1]}; the triton kernel takes head dims up to {MAX_HEAD_DIM}"
     return None
 
 

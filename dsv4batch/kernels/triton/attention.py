@@ -39,13 +39,12 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MIN_SPLIT_SLOTS = 128  # a split reads at least this many slots (fewer: the merge costs more than it gains)
-MAX_D = 512  # head dims up to this (padded to a power of two inside the kernel)
 
 
 @triton.jit
-def _attend(q, kv_ptr, idx_row, lo, hi, s_kv, d_qk, d_v, scale_log2, stride_kv,
-            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            UPCAST: tl.constexpr, IEEE: tl.constexpr, V_MASK: tl.constexpr):
+def _attend(q, kv_ptr, idx_row, lo, hi, s_kv, scale_log2, stride_kv,
+            D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Online softmax over slots [lo, hi): (acc [BLOCK_H, BLOCK_D] unnormalised, l [BLOCK_H]
     sum of 2^(s - m), m [BLOCK_H] max base-2 logit; -inf when no valid slot)."""
     d = tl.arange(0, BLOCK_D)
@@ -59,7 +58,7 @@ def _attend(q, kv_ptr, idx_row, lo, hi, s_kv, d_qk, d_v, scale_log2, stride_kv,
         rows = tl.where(valid, idx, 0).to(tl.int64)
         # masked load: an invalid slot reads nothing (its row may be NaN or out of bounds)
         k = tl.load(kv_ptr + rows[:, None] * stride_kv + d[None, :],
-                    mask=valid[:, None] & (d < d_qk)[None, :], other=0.0)
+                    mask=valid[:, None] & (d < D_QK)[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         if IEEE:
@@ -73,8 +72,8 @@ def _attend(q, kv_ptr, idx_row, lo, hi, s_kv, d_qk, d_v, scale_log2, stride_kv,
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = k
-        if V_MASK:  # d_v < d_qk: the value is the first d_v dims
-            v = tl.where((d < d_v)[None, :], k, 0.0)
+        if D_V < D_QK:  # the value is the first d_v dims
+            v = tl.where((d < D_V)[None, :], k, 0.0)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -104,11 +103,10 @@ def _finish(acc, l_i, m_i, sink_ptr, h, h_q, HAS_SINK: tl.constexpr):
 @triton.jit
 def _sparse_mla_kernel(
     q_ptr, kv_ptr, idx_ptr, tl_ptr, sink_ptr, out_ptr, ml_ptr, lse_ptr,
-    s_q, s_kv, topk, h_q, d_qk, d_v, split_len, scale_log2,
+    s_q, s_kv, topk, h_q, split_len, scale_log2,
     stride_qs, stride_qh, stride_kv, stride_is, stride_os, stride_oh, stride_op, stride_ms, stride_mp,
-    HAS_TL: tl.constexpr, HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, V_MASK: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, HAS_TL: tl.constexpr, HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Grid (s_q * head blocks, splits); head blocks vary fastest, so a query's head blocks run
     side by side and share its gathered rows in L2. PARTIAL: write this split's normalised out,
@@ -121,7 +119,7 @@ def _sparse_mla_kernel(
     d = tl.arange(0, BLOCK_D)
     hmask = h < h_q
     q = tl.load(q_ptr + i.to(tl.int64) * stride_qs + h[:, None] * stride_qh + d[None, :],
-                mask=hmask[:, None] & (d < d_qk)[None, :], other=0.0)
+                mask=hmask[:, None] & (d < D_QK)[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     n = topk  # this split's slots: [lo, hi), cut at topk_length
@@ -129,11 +127,11 @@ def _sparse_mla_kernel(
         n = tl.minimum(tl.maximum(tl.load(tl_ptr + i), 0), topk)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, n)
-    acc, l_i, m_i = _attend(q, kv_ptr, idx_ptr + i.to(tl.int64) * stride_is, lo, hi, s_kv, d_qk, d_v, scale_log2,
-                            stride_kv, BLOCK_H, BLOCK_N, BLOCK_D, UPCAST, IEEE, V_MASK)
+    acc, l_i, m_i = _attend(q, kv_ptr, idx_ptr + i.to(tl.int64) * stride_is, lo, hi, s_kv, scale_log2, stride_kv,
+                            D_QK, D_V, BLOCK_H, BLOCK_N, BLOCK_D, UPCAST, IEEE)
     row = split * stride_mp + i.to(tl.int64) * stride_ms + h
     o_ptr = out_ptr + split * stride_op + i.to(tl.int64) * stride_os + h[:, None] * stride_oh + d[None, :]
-    omask = hmask[:, None] & (d < d_v)[None, :]
+    omask = hmask[:, None] & (d < D_V)[None, :]
     if PARTIAL:
         empty = l_i == 0.0
         out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
@@ -150,8 +148,8 @@ def _sparse_mla_kernel(
 @triton.jit
 def _combine(
     part_out, part_max, part_lse, sink_ptr, out_ptr, ml_ptr, lse_ptr,
-    h_q, d_v, splits, stride_pp, stride_ps, stride_ph, stride_mp, stride_ms, stride_os, stride_oh,
-    HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    h_q, splits, stride_pp, stride_ps, stride_ph, stride_mp, stride_ms, stride_os, stride_oh,
+    D_V: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Merge the splits of one query x head block: weights 2^(lse_s - M), M = max lse_s (empty
     splits: lse -inf, weight 0, out 0), then the sink and the lonely rule as :func:`_finish`."""
@@ -160,7 +158,7 @@ def _combine(
     h = (tl.program_id(0) % n_hb) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     hmask = h < h_q
-    omask = hmask[:, None] & (d < d_v)[None, :]
+    omask = hmask[:, None] & (d < D_V)[None, :]
     stat = i.to(tl.int64) * stride_ms + h  # [s_q, h_q] offsets of this query's heads
     big = tl.full([BLOCK_H], float("-inf"), tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -308,13 +306,13 @@ def _launch(q, kv2, idx, tl_, sink, cfg: Config, d_v: int, sm_scale: float, n_sp
     is_fp32 = q.dtype == torch.float32
     _sparse_mla_kernel[grid](
         q, kv2, idx, idx if tl_ is None else tl_, idx if sink is None else sink, out, ml, lse,
-        s_q, kv2.shape[0], idx.shape[1], h_q, d_qk, d_v, split_len, float(sm_scale) * LOG2E,
+        s_q, kv2.shape[0], idx.shape[1], h_q, split_len, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), kv2.stride(0), idx.stride(0),
         out.stride(-3), out.stride(-2), out.stride(0) if partial else 0,
         h_q, s_q * h_q if partial else 0,
-        HAS_TL=tl_ is not None, HAS_SINK=sink is not None, PARTIAL=partial,
+        D_QK=d_qk, D_V=d_v, HAS_TL=tl_ is not None, HAS_SINK=sink is not None, PARTIAL=partial,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(d_qk),
-        UPCAST=INTERPRET, IEEE=is_fp32 or INTERPRET, V_MASK=d_v < d_qk,
+        UPCAST=INTERPRET, IEEE=is_fp32 or INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -325,7 +323,7 @@ def _merge(part, p_max, p_lse, sink, out, ml, lse, cfg: Config) -> None:
     block_h = min(cfg.block_h, 32)
     _combine[(s_q * triton.cdiv(h_q, block_h),)](
         part, p_max, p_lse, p_max if sink is None else sink, out, ml, lse,
-        h_q, d_v, n_split, part.stride(0), part.stride(1), part.stride(2), s_q * h_q, h_q,
+        h_q, n_split, part.stride(0), part.stride(1), part.stride(2), s_q * h_q, h_q,
         out.stride(0), out.stride(1),
-        HAS_SINK=sink is not None, BLOCK_H=block_h, BLOCK_D=_block_d(d_v), num_warps=4,
+        D_V=d_v, HAS_SINK=sink is not None, BLOCK_H=block_h, BLOCK_D=_block_d(d_v), num_warps=4,
     )
