@@ -249,7 +249,7 @@ def parity_section(run: Run) -> dict:
         tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1.6e-2)
         got = attn.sparse_mla_triton(q, kv, idx, d ** -0.5, sink, lengths, splits=splits)
         out[f"attention/triton/{name}"] = compare(got, want, tol)
-        if flashmla.unsupported_reason(q) is None:
+        if dtype == torch.bfloat16 and flashmla.unsupported_reason(q) is None:  # its tolerance is for bf16 inputs
             got = flashmla.sparse_mla_prefill_flashmla(q, kv, idx, d ** -0.5, sink, lengths)
             out[f"attention/flashmla/{name}"] = compare(got, want, (8e-4, 3.01 / 128))
     out.update(linear_parity(run.dry))
