@@ -1,7 +1,17 @@
 """Fixtures shared by every test folder: the transformers-saved checkpoint, its engine, and one
-local Ray per test module."""
+local Ray per test module. Also switches Triton's interpreter on where there is no GPU."""
+
+import os
 
 import pytest
+import torch
+
+# Triton decides compiled vs interpreted when a @triton.jit function is *defined*, triton's own
+# (triton.language) included, and importing transformers' models or dsv4batch.kernels imports
+# triton: so TRITON_INTERPRET=1 has to be set before any test module is collected, for
+# tests/kernels/test_triton.py to run the kernels on the CPU. With CUDA they run compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

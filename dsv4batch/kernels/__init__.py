@@ -10,13 +10,19 @@ optional extra ``gpu``).  Everything else calls :func:`sparse_mla_prefill`, whic
   reference up to fp32 rounding; CPU tensors, not fp64, d_qk and d_v multiples of 16; or
 * ``"flashmla"``: :func:`dsv4batch.kernels.flashmla.sparse_mla_prefill_flashmla`, the FlashMLA
   kernel (CUDA sm90/sm100, d_qk == d_v == 512, bf16 math, so results match only approximately:
-  out within abs 8e-4 / rel 3/128, max_logits and lse within about 1e-6 relative).
+  out within abs 8e-4 / rel 3/128, max_logits and lse within about 1e-6 relative); or
+* ``"triton"``: :func:`dsv4batch.kernels.triton.sparse_mla_triton` (``kernels/triton/``, optional
+  extra ``gpu``): CUDA sm80+, fp32/bf16/fp16, any head count, d_qk up to 512; prefill and decode
+  (split-k over the slots when the queries alone do not fill the GPU). fp32 inputs: IEEE fp32
+  math; bf16: bf16 GEMMs with fp32 softmax and sums. With ``TRITON_INTERPRET=1`` it runs on CPU
+  tensors through Triton's interpreter (tests only; ``"auto"`` never picks that).
 
 Backend choice: ``backend="auto"`` takes FlashMLA when it imported and the call fits it, else
-the cpu kernel when the call fits it and it builds, else torch (the Lightning Indexer follows
+Triton for CUDA tensors where it imports and a one-time probe on that GPU agreed with torch,
+else the cpu kernel when the call fits it and it builds, else torch (the Lightning Indexer follows
 the same request: :func:`indexer_topk`); the environment variable ``DSV4BATCH_ATTN_BACKEND``
-(``auto``/``torch``/``cpu``/``flashmla``) replaces ``"auto"`` when set.  ``"torch"`` /
-``"cpu"`` / ``"flashmla"`` force a backend; forcing one where it cannot run raises
+(``auto``/``torch``/``cpu``/``flashmla``/``triton``) replaces ``"auto"`` when set.  ``"torch"`` /
+``"cpu"`` / ``"flashmla"`` / ``"triton"`` force a backend; forcing one where it cannot run raises
 ``RuntimeError`` with the reason.
 
 The package's other entry points: :func:`quant_linear` (``quant_matmul.py``) multiplies by a
@@ -64,6 +70,7 @@ import torch
 
 from . import cpu as _cpu
 from . import flashmla as _flashmla
+from . import triton as _triton
 from .cpu import head_stats, head_supported, pack_head
 from .dense import bf16_available, bf16_linear, dense_linear, pack_weight
 from .elementwise import (HC_MAX, elementwise_supported, hc_collapse_cpu, hc_post_cpu, hc_pre_cpu, rms_norm_cpu,
@@ -81,24 +88,27 @@ __all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "req
            "selection"]
 
 ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
-_BACKENDS = ("auto", "torch", "cpu", "flashmla")
+_BACKENDS = ("auto", "torch", "cpu", "flashmla", "triton")
 
 
 def available_backends() -> list[str]:
     """Backends usable in this process: ``"torch"`` always; ``"cpu"`` when its kernel builds;
     ``"flashmla"`` when ``flash_mla`` imported and the current CUDA device is sm90/sm100 (shape
-    limits are checked per call)."""
+    limits are checked per call); ``"triton"`` when triton imported and the current CUDA device
+    is sm80+ (the CPU interpreter is not listed)."""
     names = ["torch"] + (["cpu"] if _cpu.available() else [])
     if _flashmla.flash_mla_sparse_fwd_fn is not None and torch.cuda.is_available():
         probe = torch.empty(0, 1, _flashmla.D_QK, device="cuda")
         if _flashmla.unsupported_reason(probe) is None:
             names.append("flashmla")
+    if torch.cuda.is_available() and _triton.unsupported_reason(torch.empty(0, 1, 512, device="cuda")) is None:
+        names.append("triton")
     return names
 
 
 def attention_backend(backend: str, device, dtype: torch.dtype, d_qk: int) -> str:
     """The backend ``sparse_mla_prefill(..., backend=backend)`` runs for q on ``device`` in
-    ``dtype`` with head dim ``d_qk`` (d_v = d_qk): ``"torch"``, ``"cpu"`` or ``"flashmla"``.
+    ``dtype`` with head dim ``d_qk`` (d_v = d_qk): ``"torch"``, ``"cpu"``, ``"flashmla"`` or ``"triton"``.
     Raises as ``sparse_mla_prefill`` does when a forced backend cannot run there."""
     return _resolve(backend, torch.empty(0, 1, d_qk, device=device, dtype=dtype), None)
 
@@ -116,9 +126,11 @@ def _resolve(backend: str, q: torch.Tensor, d_v: Optional[int]) -> str:
     if backend == "auto":
         if _flashmla.unsupported_reason(q, d_v) is None:
             return "flashmla"
+        if q.device.type == "cuda" and _triton.auto_reason(q, d_v) is None:
+            return "triton"
         return "cpu" if _cpu.unsupported_reason(q, d_v) is None and chosen("sparse_mla") else "torch"
     if backend != "torch":
-        reason = (_flashmla if backend == "flashmla" else _cpu).unsupported_reason(q, d_v)
+        reason = {"flashmla": _flashmla, "cpu": _cpu, "triton": _triton}[backend].unsupported_reason(q, d_v)
         if reason is not None:
             raise RuntimeError(f"{backend} backend requested but unavailable: {reason}")
     return backend
@@ -143,7 +155,7 @@ def sparse_mla_prefill(
     ``query_blocks``: optional increasing boundaries ``[0, ..., s_q]`` of consecutive queries
     that share most of their slots (one request's neighbouring positions). A hint, not part of
     the contract: the torch backend may attend over a block's union of slots at once (the same
-    result up to fp32 rounding); the cpu kernel and FlashMLA ignore it."""
+    result up to fp32 rounding); the cpu kernel, FlashMLA and Triton ignore it."""
     check_shapes(q, kv, indices, d_v)
     if attn_sink is not None and attn_sink.numel() != q.shape[1]:
         raise ValueError(f"attn_sink must be [h_q={q.shape[1]}], got {tuple(attn_sink.shape)}")
@@ -152,6 +164,8 @@ def sparse_mla_prefill(
     chosen = _resolve(backend, q, d_v)
     if chosen == "flashmla":
         return _flashmla.sparse_mla_prefill_flashmla(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)
+    if chosen == "triton":
+        return _triton.sparse_mla_triton(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)
     if chosen == "cpu":
         return _cpu.sparse_mla_prefill_cpu(q, kv, indices, sm_scale, attn_sink, topk_length, d_v)
     return sparse_mla_prefill_torch(q, kv, indices, sm_scale, attn_sink, topk_length, d_v,

@@ -11,12 +11,18 @@ Everything that multiplies by a stored quantized weight calls :func:`quant_linea
 * ``"cuda"``: :func:`dsv4batch.kernels.quant_cuda.quant_linear_cuda`, torch's block-scaled FP8
   GEMM (cuBLASLt, sm90+; fp8 weights with K and N multiples of 128). The activation is quantized
   to e4m3 per token and 128 columns (DeepSeek's dynamic activation scheme), so results match the
-  reference only approximately (relative error of order 2**-5 per output).
+  reference only approximately (relative error of order 2**-5 per output); or
+* ``"triton"``: :func:`dsv4batch.kernels.triton.quant_linear_triton` (``kernels/triton/quant.py``):
+  FP8 and FP4 on CUDA sm80+. bf16/fp16 x with FP8 weights on sm89+: an fp8 ``tl.dot`` on the
+  activation quantized as the cuda backend quantizes it (approximate as above); otherwise W is
+  dequantized in the kernel, tile by tile, as the reference dequantizes it (equal up to the GEMM's
+  summation order). CPU tensors run under ``TRITON_INTERPRET=1`` only (tests).
 
 Backend choice: ``backend="auto"`` takes ``"cuda"`` when the call fits it and a one-time probe on
-that device agreed with the reference, else ``"reference"``; the environment variable
-``DSV4BATCH_QUANT_BACKEND`` (``auto``/``reference``/``cuda``) replaces ``"auto"`` when set.
-Forcing ``"cuda"`` where it cannot run raises ``RuntimeError`` with the reason.
+that device agreed with the reference, else ``"triton"`` on the same terms (CUDA only), else
+``"reference"``; the environment variable ``DSV4BATCH_QUANT_BACKEND``
+(``auto``/``reference``/``cuda``/``triton``) replaces ``"auto"`` when set. Forcing ``"cuda"`` or
+``"triton"`` where it cannot run raises ``RuntimeError`` with the reason.
 
 ========== ============================ ====================================================
 x          [n, in]                      float32, bfloat16 or float16; n may be 0
@@ -39,13 +45,14 @@ from __future__ import annotations
 import torch
 
 from . import quant_cuda as _cuda
+from . import triton as _triton
 from .env import env_choice
 from .quant_reference import check_quant_shapes, in_features_of, quant_linear_reference
 
 __all__ = ["quant_linear", "quant_backends", "ENV_QUANT_BACKEND"]
 
 ENV_QUANT_BACKEND = "DSV4BATCH_QUANT_BACKEND"
-_BACKENDS = ("auto", "reference", "cuda")
+_BACKENDS = ("auto", "reference", "cuda", "triton")
 _PROBED: dict[torch.device, str | None] = {}  # device -> why the cuda backend failed its probe
 
 
@@ -78,18 +85,28 @@ def _resolve(backend: str, x: torch.Tensor, qweight: torch.Tensor, fmt: str) -> 
     backend = requested_backend(backend)
     if backend == "reference":
         return backend
+    if backend == "triton":
+        reason = _triton.quant_unsupported_reason(x, qweight, fmt)
+        if reason is not None:
+            raise RuntimeError(f"triton quant backend requested but unavailable: {reason}")
+        return backend
     reason = _cuda.unsupported_reason(x, qweight, fmt)
     if reason is None:
         reason = _probe(x.device)
     if backend == "cuda" and reason is not None:
         raise RuntimeError(f"cuda quant backend requested but unavailable: {reason}")
-    return "reference" if reason is not None else "cuda"
+    if reason is None:
+        return "cuda"
+    return "triton" if x.device.type == "cuda" and _triton.quant_auto_reason(x, qweight, fmt) is None else "reference"
 
 
 def quant_backends(x: torch.Tensor, qweight: torch.Tensor, fmt: str) -> list[str]:
-    """Backends that can run this call: ``"reference"`` always, ``"cuda"`` when it fits and probed ok."""
+    """Backends that can run this call: ``"reference"`` always, ``"cuda"`` / ``"triton"`` when it
+    fits and probed ok (triton: on CUDA; the interpreter is not listed)."""
     reason = _cuda.unsupported_reason(x, qweight, fmt)
-    return ["reference"] + (["cuda"] if reason is None and _probe(x.device) is None else [])
+    names = ["reference"] + (["cuda"] if reason is None and _probe(x.device) is None else [])
+    return names + (["triton"] if x.device.type == "cuda" and _triton.quant_auto_reason(x, qweight, fmt) is None
+                    else [])
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, fmt: str, *,
@@ -102,6 +119,9 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, fm
         raise ValueError(f"x must be [n, {in_features_of(qweight, fmt)}], got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"x must be a float tensor, got {x.dtype}")
-    if _resolve(backend, x, qweight, fmt) == "cuda":
+    chosen = _resolve(backend, x, qweight, fmt)
+    if chosen == "cuda":
         return _cuda.quant_linear_cuda(x, qweight, scale)
+    if chosen == "triton":
+        return _triton.quant_linear_triton(x, qweight, scale, fmt)
     return quant_linear_reference(x, qweight, scale, fmt)

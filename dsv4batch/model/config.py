@@ -14,7 +14,7 @@ from ..planner import PLANNER_NAMES
 
 TINY = "tiny"  # the embedded model's name; anything else is a checkpoint folder
 HEAD_PRECISIONS = ("fp32", "bf16")  # EngineConfig.head_precision
-ATTN_BACKENDS = ("auto", "torch", "cpu", "flashmla")  # EngineConfig.attn_backend: `dsv4batch.kernels` backends
+ATTN_BACKENDS = ("auto", "torch", "cpu", "flashmla", "triton")  # EngineConfig.attn_backend: `dsv4batch.kernels` backends
 LAYER_RATIO_KEYS = {
     "sliding_attention": None,
     "compressed_sparse_attention": "compressed_sparse_attention",
@@ -39,8 +39,9 @@ class EngineConfig:
     logits_slice: rows of the tiled vocabulary head computed at once (every slice has exactly this
         many rows: one GEMM shape, batch-invariant; 512 measured 17% faster per row than 256 on CPU).
         The fused CPU head (fp32, `head.fused_scores`) takes all rows at once and ignores it.
-    attn_backend: "auto", "torch", "cpu" or "flashmla" (see `dsv4batch.kernels`; "auto" takes
-        FlashMLA on a GPU that fits it, else the fused cpu kernel where it builds, else torch).
+    attn_backend: "auto", "torch", "cpu", "flashmla" or "triton" (see `dsv4batch.kernels`; "auto"
+        takes FlashMLA on a GPU that fits it, else Triton on a GPU (sm80+), else the fused cpu
+        kernel where it builds, else torch).
     head_precision: the vocabulary head's CPU GEMM: "fp32" (exact to fp32 rounding) or "bf16"
         (opt-in: a bf16 GEMM with fp32 sums and bf16 logits, the reduction in fp32, where the CPU
         has bf16 units (AVX512-BF16 or AMX), else fp32 with a warning: `kernels.dense`; 1.2-1.5x

@@ -29,7 +29,7 @@ from .tokenizer import load_tokenizer, tokenizer_source
 
 
 # attention kernels that read a query's kv rows where they are (the torch path copies all of kv)
-IN_PLACE_KERNELS = ("cpu", "flashmla")
+IN_PLACE_KERNELS = ("cpu", "flashmla", "triton")
 
 
 def carried_lives(steps) -> dict:
@@ -111,7 +111,7 @@ class Engine:
 
     @property
     def attn_kernel(self) -> str:
-        """The sparse attention kernel this engine's steps run: "cpu", "torch" or "flashmla"
+        """The sparse attention kernel this engine's steps run: "cpu", "torch", "flashmla" or "triton"
         (`config.attn_backend` or `DSV4BATCH_ATTN_BACKEND` resolved for the model's device, dtype
         and head dim); "<name> (unavailable)" for a forced one that cannot run here, or a note that
         the variable is invalid (every step then raises, and the pipeline's fault handling

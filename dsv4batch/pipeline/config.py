@@ -94,8 +94,9 @@ class JobConfig(BaseModel):
     prefill_chunk_size: Optional[int] = _f(None, "Planner workspace budget in requests of maximal length "
                                            "(None: the engine's default, vLLM's 4).", group="engine", ge=1)
     attn_backend: Literal[ATTN_BACKENDS] = _f("auto", "Sparse attention kernel: auto (FlashMLA on a GPU that "
-                                              "fits it, else the CPU kernel where it builds, else torch), or "
-                                              "force torch / cpu / flashmla (refused where it cannot run).",
+                                              "fits it, else Triton on a GPU, else the CPU kernel where it "
+                                              "builds, else torch), or force torch / cpu / flashmla / triton "
+                                              "(refused where it cannot run).",
                                               group="engine")
     head_precision: Literal[HEAD_PRECISIONS] = _f(
         "fp32", "The vocabulary head's GEMM on the CPU backend: 'fp32' (exact to fp32 rounding) or 'bf16' "

@@ -83,7 +83,7 @@ def test_bad_calls_are_refused():
     with pytest.raises(ValueError, match="fp4 qweight must be 2-D"):
         quant_linear(x, q, scale, "fp4")
     with pytest.raises(ValueError, match="backend must be one of"):
-        quant_linear(x, q, scale, "fp8", backend="triton")
+        quant_linear(x, q, scale, "fp8", backend="bogus")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="cuda quant backend requested but unavailable: x on cpu"):
             quant_linear(x, q, scale, "fp8", backend="cuda")
@@ -128,7 +128,7 @@ def test_cuda_backend_matches_the_reference(m, k, n):
     q, scale, _ = stored("fp8", n, k)
     q, scale = q.cuda(), scale.cuda()
     x = torch.randn(m, k, generator=GEN).cuda().bfloat16()
-    assert quant_backends(x, q, "fp8") == ["reference", "cuda"]
+    assert quant_backends(x, q, "fp8")[:2] == ["reference", "cuda"]
     y = quant_linear(x, q, scale, "fp8", backend="cuda")
     ref = quant_linear(x.float(), q, scale, "fp8", backend="reference")
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
