@@ -15,6 +15,7 @@ from dsv4batch.pipeline.config import ScoreConfig
 from dsv4batch.pipeline.errors import ReplicaLost
 from dsv4batch.pipeline.stages.shards import ShardedEngine, release_groups
 from tests.model_factory import make_hf_checkpoint
+from tests.ties import assert_greedy_match, assert_top_ids_match
 
 PLANNERS = ("adaptive", "fixed", "dp", "single")
 # logprobs: fp32 rounding of the split sums (wo_b, MoE) and of the vocab combination; 1e-6
@@ -47,11 +48,15 @@ def sharded(path, tp, **kw):
 
 
 def check_equal(ref, got):
+    """The split's scores are the unsplit engine's to fp32 rounding; ids and greedy flags are
+    exact except inside near-ties, which that rounding may reorder (`ref` lists one top id more
+    than `got`: whether the last one has a near-tie below it)."""
     for a, b in zip(ref, got, strict=True):
+        k = b.top_ids.shape[1]
         np.testing.assert_allclose(b.logprobs, a.logprobs, rtol=RTOL, atol=ATOL)
-        np.testing.assert_array_equal(b.is_greedy, a.is_greedy)
-        np.testing.assert_array_equal(b.top_ids, a.top_ids)
-        np.testing.assert_allclose(b.top_logprobs, a.top_logprobs, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(b.top_logprobs, a.top_logprobs[:, :k], rtol=RTOL, atol=ATOL)
+        assert_top_ids_match(a.top_ids, a.top_logprobs, b.top_ids, b.top_logprobs, ATOL, RTOL)
+        assert_greedy_match(a.is_greedy, b.is_greedy, a.logprobs, a.top_logprobs, ATOL, RTOL)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -71,7 +76,7 @@ def test_tp_ranks_score_like_one_engine(local_ray, checkpoints, tp):
                 ref = Engine.from_pretrained(path, config=config)
                 engine.configure(config)
                 got, stats = engine.score_details(batch, top_k=3)
-                want, ref_stats = ref.score_details(batch, top_k=3)
+                want, ref_stats = ref.score_details(batch, top_k=4)
                 check_equal(want, got)
                 assert stats.num_steps == ref_stats.num_steps > 1  # multi-step requests
                 assert stats.num_chunks == ref_stats.num_chunks  # the same plan on every rank
