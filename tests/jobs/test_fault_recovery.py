@@ -21,7 +21,6 @@ from dsv4batch.jobs.score import main
 from tests.jobs.conftest import (REPO, SMALL_PARTS, alive_pipeline_actors, finished, part_rows,
                                  parts, wait_for, write_input)
 
-RAY_DASHBOARD = True  # ray.util.state finds the actor to kill through the dashboard
 def test_killed_scoring_actor_is_restarted_and_the_job_completes(tmp_path, checkpoint, local_ray):
     src, out = tmp_path / "in.parquet", tmp_path / "out"
     ids = write_input(src, 64)

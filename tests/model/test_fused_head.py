@@ -9,6 +9,7 @@ from dsv4batch.kernels import cpu as cpu_mod
 from dsv4batch.kernels import head_stats, pack_head
 from dsv4batch.kernels.dense import ENV_CPU_GEMM
 from dsv4batch.model.head import PackedHead, fused_scores, tiled_logprobs
+from tests.threads import MACHINE, torch_threads
 from tests.ties import assert_greedy_match
 
 
@@ -85,18 +86,15 @@ def test_a_rows_bits_do_not_depend_on_its_batch_mates():
     weight = torch.randn(vocab, hidden, generator=gen) / 8
     targets = torch.randint(0, vocab, (n,), generator=gen)
     panels = pack_head(weight)
-    together = fused_scores(x, weight, targets, panels)[0]
+    with torch_threads(max(2, MACHINE)):  # rows split over threads (the session runs on 1)
+        together = fused_scores(x, weight, targets, panels)[0]
     for shift in range(1, n):
         moved = fused_scores(x.roll(shift, 0), weight, targets.roll(shift, 0), panels)[0]
         assert torch.equal(moved.roll(-shift, 0), together)
     for a, b in ((0, 1), (2, 9), (5, 13)):
         assert torch.equal(fused_scores(x[a:b], weight, targets[a:b], panels)[0], together[a:b])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         assert torch.equal(fused_scores(x, weight, targets, panels)[0], together)  # nor on the thread count
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_panels_follow_the_weight_and_the_switches(monkeypatch):

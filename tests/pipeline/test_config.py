@@ -1,8 +1,6 @@
 """ScoreConfig validation and the CLI generated from it (no Ray, no torch)."""
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
@@ -85,10 +83,10 @@ def test_cli_has_an_option_per_field_and_parses_them():
     assert {f.name for f in dataclasses.fields(ScoreConfig)} <= dests
 
 
-def test_import_is_light():
+def test_import_is_light(run_python):
     code = ("import sys, dsv4batch, dsv4batch.pipeline, dsv4batch.jobs.cli, dsv4batch.jobs.score; "
             "print(sorted(m for m in ('torch', 'ray', 'pyarrow', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_python(code, check=True)
     assert out.stdout.strip() == "[]"
 
 
@@ -98,9 +96,8 @@ def test_import_is_light():
     (["score", "in.parquet", "out", "--bogus"], 2, "unrecognized arguments"),
     (["score", "--help"], 0, "--max-batched-tokens"),
 ])
-def test_cli_exit_codes(argv, code, message, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dsv4batch.jobs.score", *argv], capture_output=True,
-                         text=True, cwd=tmp_path, timeout=120)
+def test_cli_exit_codes(argv, code, message, tmp_path, run_cli):
+    out = run_cli(*argv, cwd=tmp_path, timeout=120)
     assert out.returncode == code, out.stderr
     assert message in out.stdout + out.stderr
 
