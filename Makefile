@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first and pinned: on these CPU machines 2.13.0 is a local CPU wheel; letting pip choose pulls CUDA.
 TORCH ?= torch==2.13.0
 
-.PHONY: run test install install-test bench clean
+.PHONY: run test test-fast install install-test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q -x --durations=15
+
+# the unit tier, for the inner loop: no Ray cluster, no CLI in a subprocess (tests/conftest.py
+# marks the tests that use either `slow`)
+test-fast: install
+	$(BIN)/python -m pytest -q -x -m "not slow" --durations=10
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

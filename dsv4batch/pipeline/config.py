@@ -121,10 +121,14 @@ class JobConfig(BaseModel):
     gpus_per_replica: Optional[float] = _f(None, "GPUs per rank of a replica (per actor at --tp 1); None: 1 when "
                                            "the cluster has GPUs, else 0 (CPU backend).", group="resources", ge=0)
     cpus_per_replica: Optional[float] = _f(None, "CPUs reserved per rank of a replica (per actor at --tp 1); "
-                                           "None: 1 with GPUs, else 0.5 (fractions leave room for read/write "
-                                           "tasks on small machines).", group="resources", ge=0)
-    torch_threads: Optional[int] = _f(None, "torch intra-op threads in each actor on the CPU backend (None: "
-                                      "Ray's default for the actor).", group="resources", ge=1)
+                                           "None: 1 with GPUs; on the CPU backend an equal share of what the "
+                                           "tokenizers and 1 CPU for read/write tasks leave, at most 0.5 (a "
+                                           "reservation only schedules: threads are --torch-threads).",
+                                           group="resources", ge=0)
+    torch_threads: Optional[int] = _f(None, "torch intra-op threads in each actor (each rank) on the CPU "
+                                      "backend; None: its share of a node's CPUs (the node's CPUs / the ranks on "
+                                      "it, at least 1), so the actors together use the node's cores.",
+                                      group="resources", ge=1)
     batch_size: int = _f(32, "Rows per Ray Data batch sent to an actor.", group="resources", ge=1)
     batches_in_flight: int = _f(2, "Batches queued per actor (>= 2 overlaps data transfer with compute).",
                                 group="resources", ge=1)

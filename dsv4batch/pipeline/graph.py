@@ -14,6 +14,7 @@ and a row that cannot be processed carries an `error` instead of being dropped.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -23,38 +24,101 @@ from dsv4batch.pipeline.errors import UsageError
 
 
 def resolve(config: JobConfig) -> JobConfig:
-    """Fill in cluster-dependent defaults and refuse resource settings that cannot run.
-
-    `gpus_per_replica`: 1 when Ray sees GPUs, else 0 (CPU backend). `cpus_per_replica`: 1 with
-    GPUs, else 0.5 (both per rank: a --tp T replica takes T times them). On the CPU backend the
-    actors must leave one whole CPU free: Ray Data's
-    list/read/write tasks need 1 CPU each, and a pool that takes every CPU would wait forever.
-    Replicas that need more GPUs or CPUs than Ray sees are refused unless
-    `wait_for_resources` (an autoscaler will add nodes).
-    """
+    """Fill in cluster-dependent defaults and refuse resource settings that cannot run
+    (`fit_to_cluster` on what Ray sees: the cluster's resources and each live node's CPUs)."""
     import ray
 
-    cluster = ray.cluster_resources() if ray.is_initialized() else {}
+    cluster, node_cpus = {}, []
+    if ray.is_initialized():
+        cluster = ray.cluster_resources()
+        node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+    return fit_to_cluster(config, cluster, node_cpus)
+
+
+# The most CPU a CPU-backend rank reserves by default. The reservation only schedules (the torch
+# threads are set apart, `_torch_threads`); a small one leaves room for tokenizers and tasks.
+CPU_RANK_MAX = 0.5
+RAY_CPU_STEP = 1e-4  # Ray's resource granularity: a share is rounded down to it, never up
+
+
+def fit_to_cluster(config: JobConfig, cluster: dict, node_cpus: list) -> JobConfig:
+    """`config` with its resource defaults for a cluster with resources `cluster` (Ray's
+    `cluster_resources()`, {} when unknown) and live nodes with `node_cpus` CPUs each.
+
+    `gpus_per_replica`: 1 when the cluster has GPUs, else 0 (CPU backend). `cpus_per_replica`:
+    1 with GPUs; on the CPU backend an equal share of what the tokenizers and one whole CPU leave
+    (Ray Data's list/read/write tasks need 1 CPU each: a pool that takes every CPU would wait
+    forever), at most `CPU_RANK_MAX` (both per rank: a --tp T replica takes T times them).
+    `torch_threads` on the CPU backend: each rank's share of a node's CPUs (`_torch_threads`).
+    Refused: settings that leave less than one CPU for those tasks, and replicas that need more
+    GPUs or CPUs than the cluster has unless `wait_for_resources` (an autoscaler adds nodes).
+    """
     gpus = config.gpus_per_replica
     if gpus is None:
         gpus = 1.0 if cluster.get("GPU", 0) > 0 else 0.0
     cpus = config.cpus_per_replica
     if cpus is None:
-        cpus = 1.0 if gpus > 0 else 0.5
+        cpus = 1.0 if gpus > 0 else _cpu_share(config, cluster.get("CPU", 0))
+    _check_tp(config, gpus, cpus)
+    _check_cpus_left(config, gpus, cpus, cluster.get("CPU", 0))
+    _check_available(config, gpus, cpus, cluster)
+    threads = config.torch_threads
+    if threads is None and gpus == 0:
+        threads = _torch_threads(config.replicas * config.tp, node_cpus)
+    resolved = {"gpus_per_replica": gpus, "cpus_per_replica": cpus, "torch_threads": threads}
+    changes = {k: v for k, v in resolved.items() if getattr(config, k) != v}
+    return config.replace(**changes) if changes else config
+
+
+def _cpu_share(config: JobConfig, total: float) -> float:
+    """A CPU-backend rank's default reservation on a cluster of `total` CPUs (0: unknown)."""
+    free = total - 1 - config.tokenize_concurrency * config.tokenize_num_cpus
+    if not total or free <= 0:  # unknown, or nothing fits (refused by `_check_cpus_left`)
+        return CPU_RANK_MAX
+    share = math.floor(free / (config.replicas * config.tp) / RAY_CPU_STEP) * RAY_CPU_STEP
+    return min(CPU_RANK_MAX, max(RAY_CPU_STEP, share))
+
+
+def _torch_threads(ranks: int, node_cpus: list) -> int | None:
+    """Intra-op threads of a CPU-backend rank: its share of a node's CPUs, the `ranks` spread
+    evenly over the nodes that have CPUs, the smallest node counted (at least 1). Ray's own
+    default is one thread for a fractional-CPU actor: one core of a laptop. None: no node known
+    (Ray's default stays)."""
+    nodes = [c for c in node_cpus if c > 0]
+    if not nodes:
+        return None
+    per_node = math.ceil(ranks / len(nodes))
+    return max(1, int(min(nodes) // per_node))
+
+
+def _check_tp(config: JobConfig, gpus: float, cpus: float) -> None:
     if config.tp > 1 and gpus not in (0, 1):
         raise UsageError(f"--tp {config.tp} puts one rank on one GPU: --gpus-per-replica (per rank) "
                          f"must be 1 or 0 (the CPU backend), got {gpus:g}")
     if config.tp > 1 and gpus == 0 and cpus <= 0:
         raise UsageError(f"--tp {config.tp} on the CPU backend needs --cpus-per-replica > 0 per rank")
-    total, ranks = cluster.get("CPU", 0), config.replicas * config.tp
-    per = f"{config.replicas} replica(s)" + (f" x {config.tp} ranks" if config.tp > 1 else "")
-    need = ranks * cpus + config.tokenize_concurrency * config.tokenize_num_cpus
-    if gpus == 0 and total and need > total - 1:
+
+
+def _per(config: JobConfig) -> str:
+    return f"{config.replicas} replica(s)" + (f" x {config.tp} ranks" if config.tp > 1 else "")
+
+
+def _check_cpus_left(config: JobConfig, gpus: float, cpus: float, total: float) -> None:
+    """On the CPU backend the actors must leave one whole CPU for Ray Data's tasks."""
+    need = config.replicas * config.tp * cpus + config.tokenize_concurrency * config.tokenize_num_cpus
+    if gpus == 0 and total and need > total - 1 + 1e-9:
         raise UsageError(
-            f"{per} x {cpus:g} CPU + {config.tokenize_concurrency} "
+            f"{_per(config)} x {cpus:g} CPU + {config.tokenize_concurrency} "
             f"tokenizer(s) x {config.tokenize_num_cpus:g} CPU leave less than 1 of the cluster's "
-            f"{total:g} CPUs for read/write tasks; lower --replicas, --tp or --cpus-per-replica")
-    short = [f"{ranks * n:g} {kind} ({per} x {n:g}) but Ray "
+            f"{total:g} CPUs for read/write tasks; lower --replicas, --tp, --cpus-per-replica "
+            "or the tokenizers' --tokenize-concurrency / --tokenize-num-cpus")
+
+
+def _check_available(config: JobConfig, gpus: float, cpus: float, cluster: dict) -> None:
+    """Replicas that need more GPUs or CPUs than Ray sees: refused, or a warning with
+    `wait_for_resources`."""
+    ranks = config.replicas * config.tp
+    short = [f"{ranks * n:g} {kind} ({_per(config)} x {n:g}) but Ray "
              f"sees {cluster.get(kind, 0):g}" for kind, n in (("GPU", gpus), ("CPU", cpus))
              if n > 0 and cluster and ranks * n > cluster.get(kind, 0)]
     if short and not config.wait_for_resources:
@@ -67,9 +131,6 @@ def resolve(config: JobConfig) -> JobConfig:
 
         logging.getLogger(__name__).warning("the replicas need %s; waiting for an autoscaler "
                                             "to add nodes", "; ".join(short))
-    if (gpus, cpus) == (config.gpus_per_replica, config.cpus_per_replica):
-        return config
-    return config.replace(gpus_per_replica=gpus, cpus_per_replica=cpus)
 
 
 # GiB per GPU of the accelerator types Ray labels nodes with (`accelerator_type:<name>`)

@@ -2,8 +2,6 @@
 scoring that equals the engine's, rolling windows, truncation; generate_until (lm-eval's
 gen_kwargs, the engine's tokens cut at the stops, seeded sampling) and the chat template."""
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,12 +9,12 @@ import pytest
 from tests.eval.tasks import hf_folder
 
 
-def test_import_dsv4batch_does_not_import_lm_eval_and_eval_registers():
+def test_import_dsv4batch_does_not_import_lm_eval_and_eval_registers(run_python):
     code = ("import sys, dsv4batch, dsv4batch.pipeline, dsv4batch.jobs.score; "
             "print(sorted(m for m in ('lm_eval', 'torch') if m in sys.modules)); "
             "import dsv4batch.eval, lm_eval.api.registry as r; "
             "print(r.get_model('dsv4batch').__name__)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_python(code, check=True)
     assert out.stdout.split() == ["[]", "DSv4LM"]
 
 

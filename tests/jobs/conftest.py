@@ -6,10 +6,12 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
-# small and fast: fractional CPUs so read/tokenize/write tasks are never starved on 2 cores
+# small and fast: fractional CPUs so read/tokenize/write tasks are never starved on 2 cores;
+# one torch thread per actor (the tests check values: tests/threads.py)
 FAST = ["--cpus-per-replica", "0.5", "--tokenize-num-cpus", "0.25", "--batch-size", "4",
-        "--tokenize-batch-size", "8", "--no-progress"]
+        "--tokenize-batch-size", "8", "--torch-threads", "1", "--no-progress"]
 # one tokenizer and small part files, so a run writes several (the fault tests act when the
 # first one appears)
 SMALL_PARTS = [*FAST, "--tokenize-concurrency", "1", "--rows-per-file", "8"]
@@ -111,19 +113,31 @@ def alive_pipeline_actors(address: str) -> list:
             if a.class_name.startswith("MapWorker(")]
 
 
-def gpu_cluster(gpus_per_node: int):
-    """A `ray.cluster_utils.Cluster` for one test module: a CPU head and two worker nodes with
-    `gpus_per_node` logical GPUs; yields (cluster, worker node ids). Logical CPUs: 2 per node, so
-    1-CPU read/write tasks still fit next to the fractional actors."""
-    import ray
+GPUS_PER_NODE = 2  # a --tp 2 replica fits one node; a 2-GPU replica takes a whole node
+
+
+@pytest.fixture(scope="session")
+def gpu_cluster():
+    """A `ray.cluster_utils.Cluster` for the session: a CPU head and two worker nodes with
+    `GPUS_PER_NODE` logical GPUs each; (cluster, worker node ids). Logical CPUs: 2 per node, so
+    1-CPU read/write tasks still fit next to the fractional actors. Modules join it through
+    their own `cluster` fixture (`gpu_nodes`)."""
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():  # one Ray per module: never inherit another module's
-        ray.shutdown()
+    from tests.ray_head import leave
+
+    leave()  # started as nodes of their own, never beside a live driver connection
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    workers = [c.add_node(num_cpus=2, num_gpus=gpus_per_node) for _ in range(2)]
+    workers = [c.add_node(num_cpus=2, num_gpus=GPUS_PER_NODE) for _ in range(2)]
     c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="WARNING")
     yield c, {w.node_id for w in workers}
-    ray.shutdown()
+    leave(c.address)
     c.shutdown()
+
+
+def gpu_nodes(gpu_cluster):
+    """`gpu_cluster` with this process joined to it as its driver."""
+    from tests.ray_head import join
+
+    join(gpu_cluster[0].address)
+    return gpu_cluster

@@ -21,7 +21,6 @@ from dsv4batch.jobs.score import main
 from tests.jobs.conftest import (REPO, SMALL_PARTS, alive_pipeline_actors, finished, part_rows,
                                  parts, wait_for, write_input)
 
-RAY_DASHBOARD = True  # ray.util.state finds the actor to kill through the dashboard
 def test_killed_scoring_actor_is_restarted_and_the_job_completes(tmp_path, checkpoint, local_ray):
     src, out = tmp_path / "in.parquet", tmp_path / "out"
     ids = write_input(src, 64)
@@ -118,7 +117,7 @@ def test_resume_refuses_another_configuration(tmp_path, capsys):
     pq.write_table(pa.table({"id": ["row-0"]}), out / "part-0123abcd-000000.parquet")
     assert main([str(src), str(out), "--resume", "--max-model-len", "99", "--token-logprobs"]) == 2
     err = capsys.readouterr().err
-    assert "in: token_logprobs False -> True; max_model_len 8192 -> 99." in err
+    assert "in: max_model_len 8192 -> 99; token_logprobs False -> True." in err
     assert main([str(src), str(out)]) == 2  # neither --resume nor --overwrite
     assert "is not empty; pass --resume" in capsys.readouterr().err
     assert sorted(os.listdir(out)) == ["_job.json", "part-0123abcd-000000.parquet"]

@@ -4,13 +4,7 @@ submitted with the `ray job submit` command, its output checked, and the head st
 import json
 import os
 import secrets
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 
@@ -19,70 +13,23 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.jobs.conftest import TEXTS, read_output
+from tests.ray_head import BIN, http_status, ray_head
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BIN = os.path.dirname(sys.executable)
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def http_status(url, token=None):
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:  # not listening yet
-        return None
 
 
 @pytest.fixture(scope="module")
-def head():
-    """`ray start --head --block` in its own process group, stopped at the end."""
-    gcs, dash, client, agent_http, agent_grpc, rt_env, metrics = free_ports(7)
-    temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths are limited
+def job_head():
+    """Its own head with token authentication (the session's head runs without a fixed token):
+    (dashboard URL, the environment that holds the token)."""
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [f"{BIN}/ray", "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2",
-           "--num-gpus=0", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
-           f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
-           f"--runtime-env-agent-port={rt_env}", f"--metrics-export-port={metrics}",
-           f"--temp-dir={temp}", "--disable-usage-stats"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{dash}"
-    try:
-        deadline = time.time() + 120
-        while http_status(f"{url}/api/version", env["RAY_AUTH_TOKEN"]) != 200:
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail("ray head did not come up")
-            time.sleep(1)
-        yield url, env
-    finally:
-        # SIGTERM to the head's own process group (its raylet, GCS, dashboard, workers):
-        # `ray stop` is not used, it would stop every Ray on the machine
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    shutil.rmtree(temp, ignore_errors=True)
+           "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+    with ray_head(env) as (_, url):
+        yield url, {**env, "PATH": f"{BIN}:{os.environ['PATH']}"}
 
 
-def test_ray_job_submit(tmp_path, checkpoint, head):
-    url, env = head
+def test_ray_job_submit(tmp_path, checkpoint, job_head):
+    url, env = job_head
     assert http_status(f"{url}/api/jobs/") == 401  # token authentication is on
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": list(range(len(TEXTS))), "prompt": TEXTS}), src)
@@ -101,8 +48,8 @@ def test_ray_job_submit(tmp_path, checkpoint, head):
 
 
 @pytest.mark.parametrize("token", [None, "not-the-token"])
-def test_job_submitted_without_the_token_is_refused(tmp_path, head, token):
-    url, env = head
+def test_job_submitted_without_the_token_is_refused(tmp_path, job_head, token):
+    url, env = job_head
     client = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
     client["HOME"] = str(tmp_path)  # no ~/.ray/auth_token to fall back on
     if token:

@@ -1,4 +1,4 @@
-"""Two worker nodes with one logical GPU each: `--replicas 2 --gpus-per-replica 1` puts one
+"""Two worker nodes with two logical GPUs each: `--replicas 2 --gpus-per-replica 2` puts one
 scoring actor on each node (CPU backend: there is no CUDA here) and every row is scored once."""
 
 import pyarrow as pa
@@ -6,12 +6,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from dsv4batch.jobs.score import main
-from tests.jobs.conftest import TEXTS, gpu_cluster, read_output
+from tests.jobs.conftest import GPUS_PER_NODE, TEXTS, gpu_nodes, read_output
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    yield from gpu_cluster(1)
+def cluster(gpu_cluster):
+    return gpu_nodes(gpu_cluster)
 
 
 def test_one_actor_per_gpu_node(tmp_path, checkpoint, cluster):
@@ -21,7 +21,7 @@ def test_one_actor_per_gpu_node(tmp_path, checkpoint, cluster):
     pq.write_table(pa.table({"id": [f"row-{i}" for i in range(len(texts))], "prompt": texts}), src)
     out = tmp_path / "out"
     assert main([str(src), str(out), "--model", checkpoint, "--ray-address", c.address,
-                 "--replicas", "2", "--gpus-per-replica", "1", "--cpus-per-replica", "0.25",
+                 "--replicas", "2", "--gpus-per-replica", str(GPUS_PER_NODE), "--cpus-per-replica", "0.25",
                  "--tokenize-num-cpus", "0.25", "--batch-size", "2", "--no-progress"]) == 0
     table, metrics = read_output(out)
     assert sorted(table["id"].to_pylist()) == sorted(f"row-{i}" for i in range(len(texts)))
@@ -29,4 +29,4 @@ def test_one_actor_per_gpu_node(tmp_path, checkpoint, cluster):
     actors = metrics["actors"]
     assert metrics["num_actors"] == 2 and {a["node_id"] for a in actors} == worker_ids
     assert all(a["device"] == "cpu" and a["rows"] > 0 for a in actors)
-    assert sum(a["rows"] for a in actors) == len(texts) and metrics["gpus_per_replica"] == 1.0
+    assert sum(a["rows"] for a in actors) == len(texts) and metrics["gpus_per_replica"] == GPUS_PER_NODE

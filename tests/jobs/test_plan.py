@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -65,9 +63,8 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert code == 2 and "--gpu-memory-gib" in err
 
 
-def test_console_entry_point_dispatches_plan():
-    out = subprocess.run([sys.executable, "-m", "dsv4batch.jobs.score", "plan", "--model", "tiny", "--gpu-memory-gib",
-                          "141", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+def test_console_entry_point_dispatches_plan(run_cli):
+    out = run_cli("plan", "--model", "tiny", "--gpu-memory-gib", "141", "--json", cwd=ROOT,
+                  env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["smallest_tp"] == 1

@@ -19,7 +19,6 @@ from dsv4batch.jobs.score import main
 from tests.jobs.conftest import (FAST, REPO, SMALL_PARTS, alive_pipeline_actors, finished, parts,
                                  wait_for, write_input)
 
-RAY_DASHBOARD = True  # ray.util.state finds the actor to stop
 
 
 def score(capsys, *argv) -> tuple[int, str]:
@@ -110,13 +109,11 @@ def test_f10_a_job_json_that_is_not_ours_is_a_clear_refusal(tmp_path, capsys):
     assert (out / "_job.json").read_text() == '{"result": null}'
 
 
-def test_f9_an_unreachable_ray_address_fails_fast(tmp_path):
+def test_f9_an_unreachable_ray_address_fails_fast(tmp_path, run_cli):
     src = tmp_path / "in.parquet"
     write_input(src, 2)
     t0 = time.time()
-    run = subprocess.run([sys.executable, "-m", "dsv4batch.jobs.score", str(src),
-                          str(tmp_path / "out"), "--ray-address", "127.0.0.1:1"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    run = run_cli(src, tmp_path / "out", "--ray-address", "127.0.0.1:1", timeout=120, cwd=REPO)
     assert run.returncode == 2 and "cannot reach the Ray cluster at '127.0.0.1:1'" in run.stderr
     assert time.time() - t0 < 60
 

@@ -1,5 +1,6 @@
-"""`dsv4batch score` end to end on one local Ray (started once for the module)."""
+"""`dsv4batch score` end to end on the session's local Ray."""
 
+import json
 import os
 
 import numpy as np
@@ -8,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dsv4batch.jobs.score import main
-from tests.jobs.conftest import FAST, TEXTS, read_output
+from tests.jobs.conftest import FAST, TEXTS, read_output, wait_for
 
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # one local Ray for this module
@@ -59,6 +60,7 @@ def test_cli_scores_match_the_model(tmp_path, checkpoint, engine):
     assert metrics["num_actors"] == 1 and metrics["actors"][0]["rows"] == len(TEXTS)
     assert metrics["head_precision"] == "fp32" and metrics["actors"][0]["head_precision"] == "fp32"
     assert metrics["actors"][0]["attn_kernel"] == "cpu"  # the fused kernel: CI has a compiler
+    assert metrics["actors"][0]["torch_threads"] == 1  # --torch-threads reaches the actor
     assert metrics["tokens_per_s"] > 0 and metrics["time_s"]["forward"] > 0
     assert metrics["num_steps"] >= 1 and metrics["peak_workspace_bytes"] > 0
     assert metrics["time_s"]["tokenize"] > 0
@@ -82,6 +84,25 @@ def test_cli_target_column_and_derived_ids(tmp_path, checkpoint, engine):
         ref = reference(engine, p, t)
         assert rows[key]["num_scored_tokens"] == len(ref)  # only the target's tokens
         assert abs(rows[key]["logprob_sum"] - float(ref.sum(dtype=np.float64))) <= 1e-4 * len(ref)
+
+
+def test_tp2_with_default_resources_runs_on_two_cpus(tmp_path, checkpoint, engine):
+    """--tp 2 and no resource flag on the 2-CPU head (refused before: 2 ranks x 0.5 CPU and the
+    tokenizers left less than 1 CPU for reads): the ranks' share sizes itself to the cluster
+    and each rank runs torch on its share of the cores."""
+    src, out = tmp_path / "in.parquet", tmp_path / "out"
+    texts = [t for t in TEXTS if t]
+    pq.write_table(pa.table({"id": list(range(len(texts))), "prompt": texts}), src)
+    assert main([str(src), str(out), "--model", checkpoint, "--tp", "2", "--no-progress"]) == 0
+    result, metrics = read_output(out)
+    for r in result.to_pylist():
+        ref = reference(engine, texts[r["id"]])
+        assert r["error"] is None and abs(r["logprob_sum"] - float(ref.sum(dtype=np.float64))) <= 1e-4 * len(ref)
+    [actor] = metrics["actors"]
+    assert [(r["rank"], r["torch_threads"]) for r in actor["ranks"]] == [(0, 1), (1, 1)]
+    with open(out / "_job.json") as f:
+        config = json.load(f)["config"]
+    assert (config["cpus_per_replica"], config["torch_threads"]) == (0.25, 1)
 
 
 def test_python_api_composes_with_ray_data(checkpoint, engine):
@@ -117,7 +138,8 @@ def test_usage_errors_exit_2_before_scoring(tmp_path, capsys):
                  str(tmp_path)]) == 2
     assert "has no config.json" in capsys.readouterr().err
     # actors that would take every CPU (Ray Data's read/write tasks could never run): refused
-    assert main([str(src), str(tmp_path / "o3"), "--text-column", "text", "--replicas", "2"]) == 2
+    assert main([str(src), str(tmp_path / "o3"), "--text-column", "text", "--replicas", "2",
+                 "--cpus-per-replica", "0.5"]) == 2
     assert "leave less than 1 of the cluster's 2 CPUs" in capsys.readouterr().err
 
 
@@ -139,11 +161,14 @@ def test_collector_progress_and_actor_metrics(capsys):
     collector = start_collector()
     collector.register_actor.remote({"actor_id": "a1", "node_id": "n1", "device": "cpu"})
     collector.record_batch.remote("a1", stats)
-    with Progress(collector, total=4, poll_s=0.05, log_every=0.0):
-        import time
+    err = []
 
-        time.sleep(0.5)
-    assert "[dsv4batch] 4/4 rows  40 tokens" in capsys.readouterr().err
+    def logged() -> bool:  # the progress thread's lines so far
+        err.append(capsys.readouterr().err)
+        return "[dsv4batch] 4/4 rows  40 tokens" in "".join(err)
+
+    with Progress(collector, total=4, poll_s=0.05, log_every=0.0):
+        wait_for(logged, "the progress line with the recorded batch", timeout=60)
     snap = ray.get(collector.snapshot.remote())
     assert snap["actors"][0]["rows"] == 4 and snap["actors"][0]["num_steps"] == 2
     ray.kill(collector)

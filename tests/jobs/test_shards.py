@@ -9,15 +9,15 @@ import threading
 import pytest
 
 from dsv4batch.jobs.score import main
-from tests.jobs.conftest import FAST, finished, gpu_cluster, parts, wait_for, write_input
+from tests.jobs.conftest import FAST, finished, gpu_nodes, parts, wait_for, write_input
 
 TP2 = ["--tp", "2", "--gpus-per-replica", "1", "--cpus-per-replica", "0.25", "--tokenize-concurrency", "1",
        "--collective-timeout-s", "60"]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    yield from gpu_cluster(2)
+def cluster(gpu_cluster):
+    return gpu_nodes(gpu_cluster)
 
 
 def rank_pids() -> list[int]:

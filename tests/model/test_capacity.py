@@ -87,13 +87,16 @@ def test_smaller_gpus_and_no_fit(shaped):
     assert long["ranks"][-1]["activations"]["indexer"] == (1024 * 64 * 2**18 + 8192 * 64 * 128) * 4
 
 
+# the message logic on one shape: each call reads the checkpoint's header, and V4-Pro's (~430k
+# tensors) costs ~10 s a read; its numbers are checked by the two tests above
+@pytest.mark.parametrize("shaped", ["flash"], indirect=True)
 def test_replica_fits_names_the_numbers(shaped):
     name, _, path, _ = shaped
     ok, why = replica_fits(path, 8, 141 * GIB, L, MNBT)
     assert ok and why.startswith("tp 8: a rank needs")
     ok, why = replica_fits(path, 1, 141 * GIB, L, MNBT)
     assert not ok and "> 126.9 GiB usable" in why
-    assert why.endswith({"flash": "the smallest tp that fits is 2", "pro": "the smallest tp that fits is 8"}[name])
+    assert why.endswith("the smallest tp that fits is 2")
 
 
 def test_unsplittable_sizes_and_tiny():
@@ -131,19 +134,17 @@ print(json.dumps({"step": status("VmHWM") - before}))
 """
 
 
-def test_activation_estimate_bounds_a_measured_step(tmp_path):
+def test_activation_estimate_bounds_a_measured_step(tmp_path, run_python):
     import json
     import os
-    import subprocess
-    import sys
 
     from tests.model.test_quant import SMALL
     from tests.model.test_quant_layout import write_native
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     write_native(str(tmp_path), dict(SMALL, vocab_size=4096, index_topk=64), seed=1, fp4_codes=True)
-    out = subprocess.run([sys.executable, "-c", STEP_PROBE, str(tmp_path)], capture_output=True, text=True,
-                         timeout=300, cwd=root, env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=root))
+    out = run_python(STEP_PROBE, tmp_path, cwd=root,
+                     env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=root))
     assert out.returncode == 0, out.stderr
     step = json.loads(out.stdout.strip().splitlines()[-1])["step"]
     config, sizes, _ = model_tensor_bytes(str(tmp_path), "float32")

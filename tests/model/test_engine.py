@@ -1,7 +1,5 @@
 """Engine: construction, per-call StepStats (hand-counted), stats addition, torch-free import."""
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -86,7 +84,7 @@ def test_stats_add_sums_and_keeps_peaks():
     assert StepStats.from_dict({**a.to_dict(), "rows": 9}) == a
 
 
-def test_model_package_import_is_torch_free():
+def test_model_package_import_is_torch_free(run_python):
     code = ("import sys, dsv4batch.model as m; m.EngineConfig(planner='dp'); m.StepStats(); "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code, check=True)

@@ -9,8 +9,6 @@ or dequantized anything at load would break the bounds by tens of MB.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -65,10 +63,9 @@ def largest_dequantized(cfg):
     return max(sizes)
 
 
-def probe(path, weights):
+def probe(run_python, path, weights):
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", PROBE, path, weights], capture_output=True, text=True, env=env,
-                         timeout=300, cwd=ROOT)
+    out = run_python(PROBE, path, weights, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -82,10 +79,10 @@ def held_bytes(path, weights):
     return sum(t.numel() * t.element_size() for t in model_tensors(model).values())
 
 
-def test_stored_weights_hold_the_file_bytes_and_load_without_a_second_copy(checkpoint):
+def test_stored_weights_hold_the_file_bytes_and_load_without_a_second_copy(checkpoint, run_python):
     stored, one_tensor = file_bytes(checkpoint), largest_dequantized(MEM)
     assert stored > 40e6 and one_tensor == 4 * 2**20
-    got = probe(checkpoint, "stored")
+    got = probe(run_python, checkpoint, "stored")
     assert got["held"] == held_bytes(checkpoint, "stored") <= 1.10 * stored, (got["held"], stored)
     assert got["peak"] - got["before"] <= stored + one_tensor, (got, stored, one_tensor)
     # dequantized at load (today's loader, `weights="compute"`), the same model holds 2.7x: it

@@ -1,7 +1,5 @@
 """ScoreConfig / GenerateConfig validation and the CLI generated from them (no Ray, no torch)."""
 
-import subprocess
-import sys
 
 import pytest
 
@@ -90,10 +88,10 @@ def test_cli_has_an_option_per_field_and_parses_them():
     assert set(cli_fields(ScoreConfig)) <= dests
 
 
-def test_import_is_light():
+def test_import_is_light(run_python):
     code = ("import sys, dsv4batch, dsv4batch.pipeline, dsv4batch.jobs.cli, dsv4batch.jobs.score; "
             "print(sorted(m for m in ('torch', 'ray', 'pyarrow', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_python(code, check=True)
     assert out.stdout.strip() == "[]"
 
 
@@ -103,9 +101,8 @@ def test_import_is_light():
     (["score", "in.parquet", "out", "--bogus"], 2, "unrecognized arguments"),
     (["score", "--help"], 0, "--max-batched-tokens"),
 ])
-def test_cli_exit_codes(argv, code, message, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dsv4batch.jobs.score", *argv], capture_output=True,
-                         text=True, cwd=tmp_path, timeout=120)
+def test_cli_exit_codes(argv, code, message, tmp_path, run_cli):
+    out = run_cli(*argv, cwd=tmp_path, timeout=120)
     assert out.returncode == code, out.stderr
     assert message in out.stdout + out.stderr
 
@@ -152,7 +149,9 @@ def test_generate_config_refuses_bad_values(bad, match):
         GenerateConfig.from_dict(bad)
 
 
-def test_generate_cli_refuses_a_bad_default_before_start(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dsv4batch.jobs.generate", "in.parquet", "out", "--temperature",
-                          "-1"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert out.returncode == 2 and "'temperature': must be >= 0" in out.stderr, out.stderr
+def test_generate_cli_refuses_a_bad_default_before_start(tmp_path, capsys):
+    from dsv4batch.jobs.generate import main
+
+    assert main([str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "'temperature': must be >= 0" in err, err

@@ -1,7 +1,5 @@
 """Worked examples from the reference (vllm#45061 unit test, PR text, computed table)."""
 
-import subprocess
-import sys
 
 import pytest
 
@@ -71,6 +69,6 @@ def test_planner_names_are_the_planners():
         assert plans[4][0][0] == 0 and plans[4][-1][1] == 2  # every planner covers both requests
 
 
-def test_import_does_not_pull_torch():
+def test_import_does_not_pull_torch(run_python):
     code = "import sys, dsv4batch.planner; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code, check=True)

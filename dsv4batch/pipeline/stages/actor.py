@@ -66,9 +66,12 @@ class ReplicaActor:
                 self.watchdog = Watchdog(config.batch_timeout_s)
         except Exception:
             pass
+        import torch
+
         self.info = {"actor_id": self.actor_id, "node_id": self.node_id, "pid": os.getpid(),
                      "device": self.device, "dtype": self.dtype, "head_precision": self.engine.head_precision,
                      "attn_kernel": self.engine.attn_kernel, "load_s": time.perf_counter() - t0,
+                     "torch_threads": torch.get_num_threads(),
                      **({"ranks": self.engine.ranks} if hasattr(self.engine, "ranks") else {})}
         if stats is not None:
             stats.register_actor.remote(self.info)

@@ -73,6 +73,7 @@ class RankWorker:
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "device": device, "dtype": str(self.engine.model.head.weight.dtype).removeprefix("torch."),
                 "head_precision": self.engine.head_precision, "attn_kernel": self.engine.attn_kernel,
+                "torch_threads": torch.get_num_threads(),
                 "resident_bytes": sum(t.numel() * t.element_size() for t in tensors),
                 "load_s": time.perf_counter() - t0}
 
