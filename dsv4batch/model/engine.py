@@ -153,6 +153,9 @@ class Engine:
         """For each request of ids, float32 [len(ids) - 1]: element t-1 = log p(ids[t] | ids[:t]).
 
         Also returns what this call did (`StepStats`, model_calls=1). `ValueError` for a bad request.
+        Where a request's logits are not finite (a checkpoint whose values overflow) its logprobs
+        there are NaN or -inf, never a made-up number: `head.first_nonfinite(logprobs)` finds the
+        first such position, and `score_details` names it (`TokenScores.error`).
         """
         model, rows, precision = self.model, self.config.logits_slice, self.config.head_precision
         outs, stats = self._run(batch, lambda h, t: (model.token_logprobs(h, t, rows, precision),))
@@ -161,7 +164,9 @@ class Engine:
     def score_details(self, batch: Sequence[Sequence[int]], top_k: int = 0
                       ) -> tuple[list[TokenScores], StepStats]:
         """`score` plus, per position, whether the target is the argmax and the top-K tokens
-        (`head.TokenScores`); the logprobs are bit-identical to `score`'s."""
+        (`head.TokenScores`); the logprobs are bit-identical to `score`'s. A request whose
+        logits are not finite has `TokenScores.error` set ("non-finite logits at position N", N
+        indexing its logprobs); the other requests of the call are unaffected."""
         if not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
         model, rows, precision = self.model, self.config.logits_slice, self.config.head_precision
@@ -247,7 +252,9 @@ class Engine:
         in order; `StepStats`). params: one `SamplingParams` for all, or one per prompt (None:
         the defaults: greedy, 256 tokens). Continuous batching over the engine's cache pool
         (`generate.py`; `on_step(stats, running, waiting)` after each step). `ValueError` naming
-        the first bad request."""
+        the first bad request. A request whose logits are not finite at a step stops there with
+        `Generation.error` ("non-finite logits at position N", N its generated tokens so far)
+        and finish_reason "error"; the others go on."""
         from .generate import run_generation, validate_generation
         from .sampling import SamplingParams
 
