@@ -9,8 +9,9 @@ Runs `lm_eval.simple_evaluate(model="dsv4batch", ...)`, prints lm-eval's results
 --log-samples `samples_<task>_<time>.jsonl`) through its `EvaluationTracker`. Offline: the
 Hugging Face hub and datasets are switched to offline mode unless the environment says
 otherwise, so local task files (`dataset_path: json` + `data_files`) are what runs. Generative
-tasks (`generate_until`) are refused up front. Exit codes: 0 done, 1 the run failed, 2 bad
-arguments, tasks, model folder, or lm-eval not installed (the `eval` extra).
+tasks (`generate_until`) are refused up front, and so is a number that is not finite or out of
+range (`LIMITS`, one line). Exit codes: 0 done, 1 the run failed, 2 bad arguments, tasks, model
+folder, or lm-eval not installed (the `eval` extra).
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "max_batched_tokens, planner, cpus_per_replica, ...")
     p.add_argument("--seed", type=int, default=0, help="lm-eval's random seeds. Default: 0.")
     return p
+
+
+# every number option: (low, high, low_open) for `cli.bad_numbers`
+LIMITS = {"num_fewshot": (0, None, False), "limit": (0, None, True), "batch_size": (1, None, False),
+          "max_length": (2, None, False), "replicas": (1, None, False), "gpus_per_replica": (0, None, False),
+          "tp": (1, None, False), "seed": (0, 2**32 - 1, False)}
 
 
 def model_args(args) -> dict:
@@ -139,10 +146,16 @@ def main(argv: list[str]) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    from dsv4batch.jobs.cli import bad_numbers
+
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help (0) or a bad option (2)
         return int(exc.code or 0) if isinstance(exc.code, int) else 2
+    bad = bad_numbers(args, LIMITS)
+    if bad:
+        log(f"dsv4batch eval: error: {'; '.join(bad)}")
+        return 2
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -25,7 +25,7 @@ from .model import DSv4Model
 from .parallel import SINGLE
 from .stats import StepStats
 from .step import RequestState, StepContext, step_plans
-from .tokenizer import load_tokenizer, tokenizer_source
+from .tokenizer import TokenizerMissing, load_tokenizer, tokenizer_source
 
 
 # attention kernels that read a query's kv rows where they are (the torch path copies all of kv)
@@ -84,14 +84,24 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device="cpu", dtype=torch.float32,
-                        config: EngineConfig | None = None, weights: str = "stored", tp=SINGLE) -> "Engine":
+                        config: EngineConfig | None = None, weights: str = "stored", tp=SINGLE,
+                        tokenizer: str | None = None) -> "Engine":
         """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json) or `TINY`.
 
         weights: "stored" keeps FP8/FP4 checkpoint weights quantized, "compute" dequantizes them
         into `dtype` at load (see `loader.load_model`). tp: this rank's `parallel.TP` in a split
-        replica (its process group initialised; every rank then calls `score` alike)."""
+        replica (its process group initialised; every rank then calls `score` alike).
+        tokenizer: a tokenizer.json file, a folder holding one, or "dsv4" (the packaged DSv4
+        tokenizer); None: the folder's own tokenizer.json, and a folder without one gives an
+        engine without a tokenizer (`tokenizer` None: ids only), never another tokenizer."""
         model = load_model(path_or_name, device=device, dtype=dtype, weights=weights, tp=tp)
-        return cls(model, config, load_tokenizer(tokenizer_source(path_or_name)))
+        try:
+            tok = load_tokenizer(tokenizer_source(path_or_name, tokenizer))
+        except TokenizerMissing:
+            if tokenizer is not None:
+                raise
+            tok = None
+        return cls(model, config, tok)
 
     @property
     def device(self):
