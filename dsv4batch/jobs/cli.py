@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import typing
 
-from dsv4batch.pipeline.config import GROUPS, JOBS, ScoreConfig, cli_fields
+from dsv4batch.pipeline.config import GROUPS, JOBS, MAX_GPU_MEMORY_GIB, ScoreConfig, cli_fields
 
 POSITIONAL = ("input", "output")
 DESCRIPTIONS = {
@@ -76,6 +76,32 @@ def add_job_parser(job: argparse.ArgumentParser, cls) -> None:
             kind = _optional(kind)
         groups[f.json_schema_extra["group"]].add_argument(flag, type=kind, choices=choices,
                                                           metavar=None if choices else name.upper(), **kw)
+
+
+def bad_numbers(args, limits: dict[str, tuple]) -> list[str]:
+    """One message per parsed option of `args` (an argparse namespace) whose number breaks its
+    rule in `limits`: {dest: (low, high, low_open)}, bounds None for none; floats must also be
+    finite. Options left at None (not given) pass. The message names the flag and the value."""
+    import math
+
+    bad = []
+    for dest, (low, high, low_open) in limits.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        ok = math.isfinite(value) and (low is None or (value > low if low_open else value >= low)) \
+            and (high is None or value <= high)
+        if not ok:
+            rule = ("positive" if low == 0 and low_open else f">= {low}" if low is not None else "") + \
+                (" and finite" if isinstance(value, float) else "") + \
+                (f" (at most {high})" if high is not None else "")
+            bad.append(f"--{dest.replace('_', '-')} must be {rule.strip()}, got {value!r}")
+    return bad
+
+
+PLAN_LIMITS = {"gpu_memory_gib": (0, MAX_GPU_MEMORY_GIB, True), "tp": (1, None, False),
+               "max_model_len": (2, None, False), "max_batched_tokens": (1, None, False),
+               "prefill_chunk_size": (1, None, False), "gpu_memory_utilization": (0, 1, True)}
 
 
 def _escape(text: str) -> str:

@@ -11,8 +11,9 @@ Runs `lm_eval.simple_evaluate(model="dsv4batch", ...)`, prints lm-eval's results
 Hugging Face hub and datasets are switched to offline mode unless the environment says
 otherwise, so local task files (`dataset_path: json` + `data_files`) are what runs. Generative
 tasks (`generate_until`, e.g. gsm8k) generate on the engine; --apply-chat-template renders the
-prompts with the DSv4 chat encoding. Exit codes: 0 done, 1 the run failed, 2 bad arguments,
-tasks, model folder, or lm-eval not installed (the `eval` extra).
+prompts with the DSv4 chat encoding. A number that is not finite or out of range is refused up
+front (`LIMITS`, one line). Exit codes: 0 done, 1 the run failed, 2 bad arguments, tasks, model
+folder, or lm-eval not installed (the `eval` extra).
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "cpus_per_replica, ...")
     p.add_argument("--seed", type=int, default=0, help="lm-eval's random seeds. Default: 0.")
     return p
+
+
+# every number option: (low, high, low_open) for `cli.bad_numbers`
+LIMITS = {"num_fewshot": (0, None, False), "limit": (0, None, True), "batch_size": (1, None, False),
+          "max_length": (2, None, False), "replicas": (1, None, False), "gpus_per_replica": (0, None, False),
+          "tp": (1, None, False), "seed": (0, 2**32 - 1, False)}
 
 
 def model_args(args) -> dict:
@@ -165,10 +172,16 @@ def main(argv: list[str]) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    from dsv4batch.jobs.cli import bad_numbers
+
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help (0) or a bad option (2)
         return int(exc.code or 0) if isinstance(exc.code, int) else 2
+    bad = bad_numbers(args, LIMITS)
+    if bad:
+        log(f"dsv4batch eval: error: {'; '.join(bad)}")
+        return 2
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -3,10 +3,12 @@
     dsv4batch plan --model /fsx/DeepSeek-V4-Flash --gpu-memory-gib 141 [--tp T] \\
         [--max-model-len N] [--max-batched-tokens N] [--json]
 
-Reads config.json and the safetensors headers only (a `meta` model, no tensor data), prints the
+Reads config.json and the safetensors headers (a `meta` model; of the tensor data only the small
+hash-routing tables, checked like `dsv4batch score` checks the folder before Ray starts), prints the
 per-rank weight bytes, the planner's workspace reservation, one step's activations and the
-smallest tensor-parallel size that fits (`dsv4batch.model.capacity`). Exit codes: 0 it fits (with
-`--tp`: that size fits), 1 it does not, 2 bad arguments or a model folder that would not load.
+smallest tensor-parallel size that fits (`dsv4batch.model.capacity`). Every number is checked
+(`cli.PLAN_LIMITS`: finite, in range) with a one-line error. Exit codes: 0 it fits (with `--tp`:
+that size fits), 1 it does not, 2 bad arguments or a model folder that would not load.
 """
 
 from __future__ import annotations
@@ -70,16 +72,14 @@ def render(plan: dict) -> str:
 
 def main(argv: list[str]) -> int:
     """`dsv4batch plan ARGS` (argv without "plan"); returns the exit code."""
-    from dsv4batch.jobs.cli import build_parser
+    from dsv4batch.jobs.cli import PLAN_LIMITS, bad_numbers, build_parser
     from dsv4batch.model.config import ModelLoadError
 
     try:
         args = build_parser().parse_args(["plan", *argv])
     except SystemExit as exc:  # --help (0) or a bad option (2)
         return int(exc.code or 0) if isinstance(exc.code, int) else 2
-    bad = [f"--{k.replace('_', '-')} must be positive" for k in
-           ("gpu_memory_gib", "max_model_len", "max_batched_tokens", "prefill_chunk_size", "gpu_memory_utilization")
-           if getattr(args, k) <= 0] + (["--tp must be positive"] if args.tp is not None and args.tp < 1 else [])
+    bad = bad_numbers(args, PLAN_LIMITS)
     if bad:
         print(f"dsv4batch plan: error: {'; '.join(bad)}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ from .model import DSv4Model
 from .parallel import SINGLE
 from .stats import StepStats
 from .step import RequestState, StepContext, step_plans
-from .tokenizer import load_tokenizer, tokenizer_source
+from .tokenizer import TokenizerMissing, load_tokenizer, tokenizer_source
 
 
 # attention kernels that read a query's kv rows where they are (the torch path copies all of kv)
@@ -84,14 +84,24 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device="cpu", dtype=torch.float32,
-                        config: EngineConfig | None = None, weights: str = "stored", tp=SINGLE) -> "Engine":
+                        config: EngineConfig | None = None, weights: str = "stored", tp=SINGLE,
+                        tokenizer: str | None = None) -> "Engine":
         """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json) or `TINY`.
 
         weights: "stored" keeps FP8/FP4 checkpoint weights quantized, "compute" dequantizes them
         into `dtype` at load (see `loader.load_model`). tp: this rank's `parallel.TP` in a split
-        replica (its process group initialised; every rank then calls `score` alike)."""
+        replica (its process group initialised; every rank then calls `score` alike).
+        tokenizer: a tokenizer.json file, a folder holding one, or "dsv4" (the packaged DSv4
+        tokenizer); None: the folder's own tokenizer.json, and a folder without one gives an
+        engine without a tokenizer (`tokenizer` None: ids only), never another tokenizer."""
         model = load_model(path_or_name, device=device, dtype=dtype, weights=weights, tp=tp)
-        return cls(model, config, load_tokenizer(tokenizer_source(path_or_name)))
+        try:
+            tok = load_tokenizer(tokenizer_source(path_or_name, tokenizer))
+        except TokenizerMissing:
+            if tokenizer is not None:
+                raise
+            tok = None
+        return cls(model, config, tok)
 
     @property
     def device(self):
@@ -153,6 +163,9 @@ class Engine:
         """For each request of ids, float32 [len(ids) - 1]: element t-1 = log p(ids[t] | ids[:t]).
 
         Also returns what this call did (`StepStats`, model_calls=1). `ValueError` for a bad request.
+        Where a request's logits are not finite (a checkpoint whose values overflow) its logprobs
+        there are NaN or -inf, never a made-up number: `head.first_nonfinite(logprobs)` finds the
+        first such position, and `score_details` names it (`TokenScores.error`).
         """
         model, rows, precision = self.model, self.config.logits_slice, self.config.head_precision
         outs, stats = self._run(batch, lambda h, t: (model.token_logprobs(h, t, rows, precision),))
@@ -161,7 +174,9 @@ class Engine:
     def score_details(self, batch: Sequence[Sequence[int]], top_k: int = 0
                       ) -> tuple[list[TokenScores], StepStats]:
         """`score` plus, per position, whether the target is the argmax and the top-K tokens
-        (`head.TokenScores`); the logprobs are bit-identical to `score`'s."""
+        (`head.TokenScores`); the logprobs are bit-identical to `score`'s. A request whose
+        logits are not finite has `TokenScores.error` set ("non-finite logits at position N", N
+        indexing its logprobs); the other requests of the call are unaffected."""
         if not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
         model, rows, precision = self.model, self.config.logits_slice, self.config.head_precision
@@ -247,7 +262,9 @@ class Engine:
         in order; `StepStats`). params: one `SamplingParams` for all, or one per prompt (None:
         the defaults: greedy, 256 tokens). Continuous batching over the engine's cache pool
         (`generate.py`; `on_step(stats, running, waiting)` after each step). `ValueError` naming
-        the first bad request."""
+        the first bad request. A request whose logits are not finite at a step stops there with
+        `Generation.error` ("non-finite logits at position N", N its generated tokens so far)
+        and finish_reason "error"; the others go on."""
         from .generate import run_generation, validate_generation
         from .sampling import SamplingParams
 

@@ -5,7 +5,8 @@ first token, then prefill segments; the model runs them as one `StepContext` (de
 append the pool in place, prefill segments go through the planner's chunks and keep their state
 in the pool), the head's logits are taken only at the rows that sample (every decode token, and
 the last prompt position of a request whose prefill ends in this step), and every such request
-draws its token (`sampling.sample`). Under tensor parallelism every rank runs the same loop on
+draws its token (`sampling.sample`), unless its logits are not finite (one reduction over the
+step's rows): it then stops with `Generation.error`. Under tensor parallelism every rank runs the same loop on
 the same schedule: the logits are all-gathered, every rank samples the same rows the same way,
 and rank 0's tokens are broadcast so that no rank can ever run a different schedule.
 """
@@ -18,6 +19,7 @@ from typing import NamedTuple, Sequence as Seq
 import numpy as np
 import torch
 
+from .head import nonfinite_error
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -29,13 +31,14 @@ class Generation(NamedTuple):
 
     token_ids: np.ndarray  # int32 [n]: stop token ids and EOS included
     text: str  # decoded without special tokens, cut before a stop string
-    finish_reason: str  # "stop" | "length" | "eos"
+    finish_reason: str  # "stop" | "length" | "eos" | "error"
     stop_reason: str | int | None  # the stop string or stop token id that ended it
     logprobs: np.ndarray  # float32 [n]: log p(token) under the model (before temperature/filters)
     top_ids: np.ndarray  # int32 [n, K] (K = params.top_logprobs)
     top_logprobs: np.ndarray  # float32 [n, K]
     num_prompt_tokens: int
     ttft_s: float  # seconds from the call's start to this request's first token
+    error: str | None = None  # why it stopped early: `head.nonfinite_error` (finish_reason "error")
 
 
 def validate_generation(prompts, params: Seq[SamplingParams], vocab: int, max_model_len: int) -> None:
@@ -80,7 +83,10 @@ def run_generation(engine, prompts, params: Seq[SamplingParams], on_step=None) -
         draws = draw_tokens(model, hidden[rows], sampling) if sampling else []
         draws = tp.broadcast_object(draws)  # rank 0's: every rank continues on the same tokens
         for seq, draw in zip(sampling, draws):
-            seq.append(draw, eos=eos, tokenizer=engine.tokenizer, max_model_len=config.max_model_len, t0=t0)
+            if draw is None:
+                seq.fail(nonfinite_error(len(seq.generated)))
+            else:
+                seq.append(draw, eos=eos, tokenizer=engine.tokenizer, max_model_len=config.max_model_len, t0=t0)
             if seq.is_finished:
                 sched.finish(seq)
         account(stats, decodes, segs, len(sampling), time.perf_counter() - step_t0)
@@ -107,9 +113,12 @@ def sampling_rows(decodes, segs) -> tuple[list[Sequence], torch.Tensor]:
 
 
 def draw_tokens(model, hidden: torch.Tensor, seqs: list[Sequence]) -> list:
-    """Each request's `sampling.Draw` from the logits of its row (one per request)."""
+    """Each request's `sampling.Draw` from the logits of its row (one per request), or None for
+    a row whose logits are not all finite (one reduction over the step's rows finds them)."""
     logits = model.logits(hidden).cpu()
-    return [sample(logits[i], seq.params, len(seq.generated)) for i, seq in enumerate(seqs)]
+    finite = torch.isfinite(logits).all(dim=1).tolist()
+    return [sample(logits[i], seq.params, len(seq.generated)) if finite[i] else None
+            for i, seq in enumerate(seqs)]
 
 
 def account(stats: StepStats, decodes, segs, num_sampled: int, seconds: float) -> None:
@@ -132,4 +141,4 @@ def result(seq: Sequence, tokenizer) -> Generation:
         logprobs=np.asarray(seq.logprobs, np.float32),
         top_ids=np.stack(seq.top_ids).astype(np.int32) if n and k else np.zeros((n, k), np.int32),
         top_logprobs=np.stack(seq.top_logprobs).astype(np.float32) if n and k else np.zeros((n, k), np.float32),
-        num_prompt_tokens=seq.num_prompt, ttft_s=float(seq.ttft_s or 0.0))
+        num_prompt_tokens=seq.num_prompt, ttft_s=float(seq.ttft_s or 0.0), error=seq.error)

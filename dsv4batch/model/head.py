@@ -31,13 +31,41 @@ from .config import HEAD_PRECISIONS
 from .parallel import SINGLE
 
 
+def nonfinite_error(position: int) -> str:
+    """The error of a request whose logits are not finite (NaN or +-inf: an overflowing model)
+    at `position`, the first such scored or generated position (0-based)."""
+    return f"non-finite logits at position {position}"
+
+
+def first_nonfinite(*values: np.ndarray) -> int | None:
+    """The first position (index along the first axis) where any of `values` ([n, ...] each)
+    holds NaN or +-inf; None when every value is finite."""
+    bad = None
+    for v in values:
+        if v.size:
+            row = ~np.isfinite(v.reshape(len(v), -1)).all(axis=1)
+            bad = row if bad is None else bad | row
+    hits = np.flatnonzero(bad) if bad is not None else ()
+    return int(hits[0]) if len(hits) else None
+
+
 class TokenScores(NamedTuple):
-    """One request's scored positions (n = len(request) - 1)."""
+    """One request's scored positions (n = len(request) - 1).
+
+    Where the model's logits are not finite (a checkpoint whose values overflow), the logprobs
+    at those positions are NaN or -inf, never silently a number: `error` names the first one."""
 
     logprobs: np.ndarray  # float32 [n]: log p(ids[t] | ids[:t]), as `Engine.score` returns
     is_greedy: np.ndarray  # bool [n]: ids[t] has the largest logit at its position
     top_ids: np.ndarray  # int32 [n, K]: the K most likely token ids, most likely first
     top_logprobs: np.ndarray  # float32 [n, K]: their log-probabilities, descending
+
+    @property
+    def error(self) -> str | None:
+        """None when every position's logprob (and top-K logprob) is finite, else
+        `nonfinite_error` of the first position that is not (an index into `logprobs`)."""
+        at = first_nonfinite(self.logprobs, self.top_logprobs)
+        return None if at is None else nonfinite_error(at)
 
 
 # Vocabulary columns per head tile: a [256, 2048] fp32 logits tile (2 MiB) plus its weight rows

@@ -14,14 +14,17 @@ straight into the parameter that holds it (no mapping of the file, no second cop
 peak memory is the model's bytes plus at most one tensor in flight.
 
 One walk (`matched_tensors`) matches checkpoint names to model tensors for `load_state` (reads
-values), `check_checkpoint` (headers only, on a `meta` model) and the capacity plan, so they
-cannot disagree. Every problem raises `ModelLoadError` naming the tensor.
+values), `check_checkpoint` (on a `meta` model) and the capacity plan, so they cannot disagree.
+`check_checkpoint` is everything that can be known before the weights are read, bounded by the
+config's sizes (`config.SIZE_LIMITS`): regular files, every header entry inside its file, names,
+dtypes and shapes (scales included), and the values of the hash-routing tables (`tid2eid`, a few
+MB: read in bounded pieces), whose expert ids must be in [0, n_routed_experts). Every problem
+raises `ModelLoadError` naming the file or tensor.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -30,13 +33,13 @@ from typing import Iterator
 import torch
 
 from ..kernels.quant_reference import SCALE_DTYPES, stored_shapes
-from .config import TINY, ModelLoadError, load_config
+from .config import TINY, ModelLoadError, load_config, read_json
 from .layers import Experts, Linear, QuantLinear
 from .model import DSv4Model, model_tensors
 from .parallel import SINGLE, TP, check_split, rank_slice, split_of
 from .quant import (DENSE_ONLY, SCALE_SUFFIXES, StoredFormat, dequantize, detect_format, hold_stored, holder,
                     nonfinite, quantize_state, scale_name)
-from .tensor_file import TensorFile
+from .tensor_file import MAX_HEADER, TensorFile
 
 IGNORED = re.compile(r"^mtp\.")
 ALIASES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
@@ -45,6 +48,8 @@ EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 # the model's stacked [E, ...] experts: a parameter, or a QuantLinear's qweight / scale
 STACKED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123])(?:\.(qweight|scale))?$")
 KEEP_FP32 = re.compile(r"(norm|hc_|attn_sink|ape|gate\.bias)")  # DSv4 keeps these fp32 in any dtype
+ROUTING = re.compile(r"\.gate\.tid2eid$")  # a hash layer's token -> experts table
+ROUTING_CHUNK_BYTES = 8 << 20  # check_checkpoint reads a routing table this much at a time
 WEIGHTS = ("stored", "compute")
 def checkpoint_tensors(params: dict, tp=SINGLE):
     """(checkpoint name, tensor) per model tensor: stacked experts split into one per expert (rank
@@ -67,9 +72,13 @@ def check_complete(params: dict, filled: set[str], unknown: list[str], tp=SINGLE
     if unknown:
         raise ModelLoadError(f"{len(unknown)} checkpoint tensor(s) match no DeepSeek-V4 parameter, "
                              f"e.g. {unknown[:3]}")
-    missing = sorted({n for n, _ in checkpoint_tensors(params, tp)} - filled)
+    missing, examples = 0, []  # counted without a set of every name (experts x layers can be millions)
+    for name, _ in checkpoint_tensors(params, tp):
+        if name not in filled:
+            missing += 1
+            examples += [name] if len(examples) < 3 else []
     if missing:
-        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        raise ModelLoadError(f"checkpoint is missing {missing} tensor(s), e.g. {examples}")
 
 
 def canonical(name: str) -> str:
@@ -116,11 +125,14 @@ def targets(params: dict, name: str, tp=SINGLE):
 
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as fh:
-            names = sorted(set(json.load(fh)["weight_map"].values()))
+    if os.path.lexists(index):
+        listing = read_json(index, MAX_HEADER)
+        weight_map = listing.get("weight_map") if isinstance(listing, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ModelLoadError(f"{index} has no weight_map of tensor names to shard files")
+        names = sorted(set(weight_map.values()))
         files = [os.path.join(path, n) for n in names]
-        missing = [f for f in files if not os.path.isfile(f)]
+        missing = [f for f in files if not os.path.lexists(f)]
         if missing:
             raise ModelLoadError(f"{index} lists shard {os.path.basename(missing[0])}, which is missing")
         return files
@@ -170,6 +182,9 @@ class Match:
                 raise ModelLoadError(f"tensor {raw!r} is quantized ({dtype}) but its scale "
                                      f"({raw[:-len('.weight')]}.scale) is not in the same shard")
             return self.check_shape(raw, self.target)
+        if not self.shard.dtype(self.scale).is_floating_point:
+            raise ModelLoadError(f"tensor {self.scale!r} in {self.shard.name} is {self.shard.dtype(self.scale)}; a "
+                                 "scale is a float tensor (ue8m0, fp32 or bf16)")
         if self.scale_target is not None:
             self.check_shape(raw, self.target)
             return self.check_shape(self.scale, self.scale_target)
@@ -242,6 +257,29 @@ def stored_formats(model, shards: list[TensorFile]) -> dict[str, StoredFormat]:
     return formats
 
 
+def check_routing(match: Match, values: torch.Tensor, n_experts: int) -> None:
+    """`ModelLoadError` unless every expert id in `values` (rows of the hash-routing table
+    `match.raw`) is in [0, n_experts): an id outside would index past the experts at the first
+    token that routes through it."""
+    if not values.numel():
+        return
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= n_experts:
+        raise ModelLoadError(f"tensor {match.raw!r} in {match.shard.name} routes to expert "
+                             f"{low if low < 0 else high}, outside [0, {n_experts}) (n_routed_experts)")
+
+
+def check_routing_file(match: Match, n_experts: int) -> None:
+    """`check_routing` on a routing table read from its file in pieces of at most
+    `ROUTING_CHUNK_BYTES` (never the whole table at once)."""
+    shard, raw = match.shard, match.raw
+    shape = shard.shape(raw)
+    rows = shape[0] if shape else 0
+    step = max(1, ROUTING_CHUNK_BYTES // max(1, shard.nbytes(raw) // max(rows, 1)))
+    for start in range(0, rows, step):
+        check_routing(match, shard.read_rows(raw, start, min(rows, start + step)), n_experts)
+
+
 def read_match(match: Match) -> None:
     """Fill `match.target` (and its scale buffer) from the file, checking shapes and finiteness."""
     match.check()
@@ -275,6 +313,8 @@ def load_state(model, shards: list[TensorFile]) -> None:
     try:
         for match in matched_tensors(model_tensors(model), shards, model.tp):
             read_match(match)
+            if ROUTING.search(match.raw):
+                check_routing(match, match.target, model.config.n_routed_experts)
     finally:
         for shard in shards:
             shard.close()
@@ -317,26 +357,40 @@ def prepared_model(path_or_name: str, dtype=torch.float32, weights: str = "store
     return model, shards
 
 
-def check_checkpoint(path: str, tp: int = 1, weights: str = "stored") -> None:
-    """Raise `ModelLoadError` unless the folder `path` would load (no tensor data is read), or
-    `parallel.SplitError` naming the config field when it cannot be split `tp` ways.
+def check_checkpoint(path: str, tp: int = 1, weights: str = "stored"):
+    """The model's config (a `DeepseekV4Config`) once the folder `path` is known to load; raises
+    `ModelLoadError` naming the file, field or tensor otherwise, or `parallel.SplitError` naming
+    the config field when it cannot be split `tp` ways.
 
-    config.json must be a DeepSeek-V4 config and every safetensors tensor must match a tensor of
-    the model it describes, with its dtype class and shape (quantized weights and their scales
-    included, from the headers; rank 0's slices when split), none missing. Values (NaN/Inf) are
-    only checked by `load_model`. `TINY` is fine whenever it splits.
+    config.json must be a DeepSeek-V4 config of possible sizes (`config.SIZE_LIMITS`); every file
+    read must be a regular file; every safetensors header entry must lie inside its file and match
+    a tensor of the model it describes, with its dtype class and shape (quantized weights and
+    their scales included; rank 0's slices when split), none missing; the hash-routing tables'
+    expert ids must be in range (`check_tensors`). Time and memory are bounded by the config's
+    sizes and the header's size: only the routing tables' values are read, in pieces. Other values
+    (NaN/Inf) are only checked by `load_model`. `TINY` is fine whenever it splits.
     """
     if path == TINY:
         from .tiny import tiny_config
 
-        return check_split(tiny_config(), tp)
-    check_tensors(*prepared_model(path, weights=weights, tp=TP(0, tp)))
+        check_split(tiny_config(), tp)
+        return tiny_config()
+    model, shards = prepared_model(path, weights=weights, tp=TP(0, tp))
+    try:
+        check_tensors(model, shards)
+    finally:
+        for shard in shards:
+            shard.close()
+    return model.config
 
 
 def check_tensors(model, shards: list[TensorFile]) -> None:
-    """`Match.check` every checkpoint tensor against the (meta) `model` it would fill."""
+    """`Match.check` every checkpoint tensor against the (meta) `model` it would fill, and
+    `check_routing_file` its hash-routing tables (the only values read)."""
     for match in matched_tensors(model_tensors(model), shards, model.tp):
         match.check()
+        if ROUTING.search(match.raw):
+            check_routing_file(match, model.config.n_routed_experts)
 
 
 def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32, weights: str = "stored",

@@ -4,7 +4,8 @@
 prompt over prefill steps, then one token per decode step; `append` takes each sampled token and
 decides whether the request is finished: a stop token id, the end-of-sentence token (unless
 `ignore_eos`), a stop string in the text so far (the text is cut before it; it may span tokens),
-`max_tokens`, or the model's `max_model_len`. The text is decoded incrementally (only the newest
+`max_tokens`, or the model's `max_model_len`; `fail` stops it with an error (its logits were
+not finite: finish_reason "error"). The text is decoded incrementally (only the newest
 tokens are decoded each step), so checking stop strings costs the same at every step.
 """
 
@@ -17,16 +18,16 @@ import numpy as np
 from .sampling import Draw, SamplingParams
 from .step import RequestState
 
-FINISH_REASONS = ("stop", "length", "eos")
+FINISH_REASONS = ("stop", "length", "eos", "error")
 
 
 class Sequence(RequestState):
     """A request of `prompt` ids generating under `params`; `index`: its place in the caller's batch.
 
     ids: prompt then generated ids (a list that grows); done: positions fed so far. After it
-    finishes: finish_reason ("stop" | "length" | "eos"), stop_reason (the stop string or stop
-    token id hit, else None), text (the generated text, special tokens left out, cut before a
-    stop string)."""
+    finishes: finish_reason ("stop" | "length" | "eos" | "error"), stop_reason (the stop string or
+    stop token id hit, else None), text (the generated text, special tokens left out, cut before a
+    stop string), error (None, or why it failed: `fail`)."""
 
     def __init__(self, prompt, params: SamplingParams, index: int = 0):
         super().__init__(ids=[int(t) for t in prompt])
@@ -38,6 +39,7 @@ class Sequence(RequestState):
         self.stop_reason: str | int | None = None
         self.text, self._prefix, self._read = "", 0, 0  # incremental detokenizer state
         self.ttft_s: float | None = None
+        self.error: str | None = None
 
     def keeps_cache(self, end: int) -> bool:
         return self.cache is not None  # its decode steps read it
@@ -71,6 +73,10 @@ class Sequence(RequestState):
             self.finish_reason = "stop"
         elif len(self.generated) >= p.max_tokens or len(self.ids) >= max_model_len:
             self.finish_reason = "length"
+
+    def fail(self, error: str) -> None:
+        """Stop the request without a token at this step: `error` says why."""
+        self.finish_reason, self.error = "error", error
 
     def _find_stop(self, tokenizer) -> bool:
         """Decode the newest tokens into `text`; True (text cut, stop_reason set) when a stop

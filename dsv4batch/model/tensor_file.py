@@ -1,5 +1,10 @@
 """One safetensors file, read without mapping it: the header parsed at once, each tensor's bytes
-(or one rank's slice of them) read with pread straight into the memory that will hold them."""
+(or one rank's slice of them) read with pread straight into the memory that will hold them.
+
+The header is checked whole when the file is opened, so no later read can go astray: a regular
+file (`config.open_regular`), a header within the format's limit and the file, and every
+tensor's dtype, shape and byte range consistent and inside the file (a file cut short is named
+here, not at the first read of its missing part)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import struct
 
 import torch
 
-from .config import ModelLoadError
+from .config import ModelLoadError, open_regular
 
 MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -18,26 +23,49 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "F8_E8M0": torch.float8_e8m0fnu}
 
 
+def _entry(e: dict) -> tuple:
+    """(torch dtype, shape, begin, end) of a header entry; KeyError / TypeError / ValueError when
+    it lacks one of them."""
+    begin, end = e["data_offsets"]
+    return DTYPES[e["dtype"]], tuple(e["shape"]), begin, end
+
+
 class TensorFile:
     """One safetensors file: its header (names, dtypes, shapes, byte ranges) parsed at once; a
     tensor's bytes are read (pread) on demand, straight into the memory that will hold them."""
 
     def __init__(self, path: str):
         self.path, self.name, self._fd = path, os.path.basename(path), None
+        fd = open_regular(path)  # a FIFO or device is refused here, by name
         try:
-            with open(path, "rb") as fh:
+            with os.fdopen(fd, "rb") as fh:
+                self.file_size = os.fstat(fh.fileno()).st_size
                 (size,) = struct.unpack("<Q", fh.read(8))
-                if size > MAX_HEADER:
-                    raise ValueError(f"a {size}-byte header (the format's limit is {MAX_HEADER})")
+                if size > min(MAX_HEADER, self.file_size - 8):
+                    raise ValueError(f"a {size}-byte header in a {self.file_size}-byte file (the format's "
+                                     f"limit is {MAX_HEADER})")
                 header = json.loads(fh.read(size))
             header.pop("__metadata__", None)
             self.data_start = 8 + size
-            self.entries = {n: (DTYPES[e["dtype"]], tuple(e["shape"]), *e["data_offsets"]) for n, e in header.items()}
-        except (OSError, struct.error, ValueError, KeyError, TypeError, MemoryError) as exc:
+            self.entries = {n: _entry(e) for n, e in header.items()}
+        except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError, MemoryError,
+                RecursionError) as exc:
             raise ModelLoadError(f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
-        for name, (dtype, shape, begin, end) in self.entries.items():
-            if end - begin != torch.Size(shape).numel() * dtype.itemsize:
-                raise ModelLoadError(f"tensor {name!r} in {self.name}: {end - begin} bytes for {dtype} {shape}")
+        for name, entry in self.entries.items():
+            self._check_entry(name, *entry)
+
+    def _check_entry(self, name: str, dtype, shape, begin, end) -> None:
+        """One header entry: integer dims and offsets, as many bytes as its dtype and shape need,
+        all of them inside the file."""
+        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (*shape, begin, end))
+        if not ints:
+            raise ModelLoadError(f"tensor {name!r} in {self.name}: shape {shape} and offsets [{begin}, {end}] "
+                                 "must be non-negative integers")
+        if end - begin != torch.Size(shape).numel() * dtype.itemsize:
+            raise ModelLoadError(f"tensor {name!r} in {self.name}: {end - begin} bytes for {dtype} {shape}")
+        if self.data_start + end > self.file_size:
+            raise ModelLoadError(f"{self.name} is truncated: tensor {name!r} ends at byte {self.data_start + end} "
+                                 f"of a {self.file_size}-byte file")
 
     def keys(self) -> set[str]:
         return set(self.entries)
@@ -50,6 +78,18 @@ class TensorFile:
 
     def nbytes(self, name: str) -> int:
         return self.entries[name][3] - self.entries[name][2]
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` along its first dim, read alone (a bounded piece of
+        a large tensor)."""
+        dtype, shape = self.entries[name][:2]
+        row = torch.Size(shape[1:]).numel() * dtype.itemsize
+        out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        self._pread(name, view, self.data_start + self.entries[name][2] + start * row)
+        return out
 
     def read_into(self, name: str, out: torch.Tensor, part: tuple[int, int] | None = None) -> torch.Tensor:
         """Copy tensor `name` into `out` (same dtype, contiguous) and return `out`.

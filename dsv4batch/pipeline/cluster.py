@@ -4,15 +4,24 @@
 cluster ('auto' finds one started with `ray start` on this machine); otherwise a new local Ray
 starts, never another `ray start` cluster that happens to run here, with token authentication
 (Ray >= 2.52 enables it for new local clusters unless RAY_AUTH_MODE says otherwise; the token
-is ~/.ray/auth_token or RAY_AUTH_TOKEN) and its dashboard bound to 127.0.0.1.
+is ~/.ray/auth_token or RAY_AUTH_TOKEN), listening on loopback only (`loopback_node`): its
+dashboard, its Prometheus metrics ports (the dashboard's, the node agent's, the autoscaler
+monitor's) and its gRPC services on 127.0.0.1. A user who wants them elsewhere starts Ray
+themselves and passes --ray-address.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+
+# Ray's switch for "this node is not part of a cluster": its node IP is then 127.0.0.1, which
+# Ray's metrics servers (dashboard, agent, autoscaler monitor) bind to instead of 0.0.0.0 (Ray
+# 2.60 has no bind-address option for them; they follow `is_localhost(node_ip)`)
+NO_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def probe(address: str, timeout_s: float = 10.0) -> None:
@@ -50,10 +59,30 @@ def connect(address: str | None = None, **local_kwargs) -> bool:
     if address:
         ray.init(address=address, **common)
     else:
-        ray.init(address="local", dashboard_host="127.0.0.1", **common, **local_kwargs)
+        with loopback_node():
+            ray.init(address="local", dashboard_host="127.0.0.1", **common, **local_kwargs)
     if main and sigterm not in (None, signal.SIG_DFL):
         signal.signal(signal.SIGTERM, sigterm)
     return True
+
+
+@contextlib.contextmanager
+def loopback_node():
+    """While a local Ray starts: its node IP is 127.0.0.1 (Ray's single-machine mode, set for the
+    driver's check and, through the environment, for the processes it starts), so every port it
+    opens listens on loopback. Both are restored afterwards; the started processes keep it."""
+    from ray._private import ray_constants
+
+    before_env, before_flag = os.environ.get(NO_CLUSTER_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[NO_CLUSTER_ENV], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before_flag
+        if before_env is None:
+            os.environ.pop(NO_CLUSTER_ENV, None)
+        else:
+            os.environ[NO_CLUSTER_ENV] = before_env
 
 
 def configure_data_context(progress_bars: bool = False) -> None:

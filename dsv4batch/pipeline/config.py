@@ -29,6 +29,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATE = ("none", "left", "right")
 WEIGHTS = ("stored", "compute")
 STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement group strategies
+MAX_GPU_MEMORY_GIB = 2**20  # 1 PiB: far above any GPU; keeps byte counts finite integers
+MAX_MIB = 2**30  # a MiB budget (1 PiB); larger is no budget but an overflow
+MAX_TIMEOUT_S = 10**7  # 116 days
 GROUPS = {"run": "run", "model": "model", "columns": "columns and outputs", "generation": "generation",
           "engine": "engine", "resources": "resources and Ray Data", "faults": "fault tolerance"}
 
@@ -69,6 +72,11 @@ class JobConfig(BaseModel):
     # -- model
     model: str = _f("tiny", "Checkpoint folder (transformers save_pretrained layout with tokenizer.json) or "
                     "'tiny'.", group="model")
+    tokenizer: Optional[str] = _f(None, "The tokenizer: a tokenizer.json file, a folder holding one, or 'dsv4' (the "
+                                  "DSv4 tokenizer packaged with dsv4batch). None: the model folder's "
+                                  "tokenizer.json; a folder without one is refused ('tiny' uses the packaged "
+                                  "one). A tokenizer with ids past the model's vocab_size is refused; _job.json "
+                                  "records its source and sha256.", group="model")
     dtype: Literal[DTYPES] = _f("auto", "Compute dtype; auto = bfloat16 on CUDA, float32 on CPU.", group="model")
     weights_dtype: Literal[WEIGHTS] = _f("stored", "Native FP8/FP4 checkpoint weights: 'stored' keeps them "
                                          "quantized in memory (block-scaled matmuls), 'compute' dequantizes them "
@@ -124,7 +132,7 @@ class JobConfig(BaseModel):
                                            "None: 1 with GPUs; on the CPU backend an equal share of what the "
                                            "tokenizers and 1 CPU for read/write tasks leave, at most 0.5 (a "
                                            "reservation only schedules: threads are --torch-threads).",
-                                           group="resources", ge=0)
+                                           group="resources", ge=0, le=1e6)
     torch_threads: Optional[int] = _f(None, "torch intra-op threads in each actor (each rank) on the CPU "
                                       "backend; None: its share of a node's CPUs (the node's CPUs / the ranks on "
                                       "it, at least 1), so the actors together use the node's cores.",
@@ -139,15 +147,16 @@ class JobConfig(BaseModel):
     max_block_mib: float = _f(4.0, "Largest Ray Data block, in MiB (the dataset's "
                               "DataContext.target_max_block_size): read and tokenize stream blocks of at most "
                               "this size, so an actor's memory does not grow with the input. Ray's default, 128 "
-                              "MiB, is millions of short prompts per block.", group="resources", ge=0.0625)
+                              "MiB, is millions of short prompts per block.", group="resources", ge=0.0625,
+                              le=MAX_MIB)
     max_buffered_mib: Optional[float] = _f(None, "Ray Data's object store budget for the run "
                                            "(ExecutionOptions.resource_limits): how much read, tokenized and "
                                            "finished data may wait between steps. None: 4 x max_block_mib + 16 "
-                                           "per replica.", group="resources", ge=1)
+                                           "per replica.", group="resources", ge=1, le=MAX_MIB)
     gpu_memory_gib: Optional[float] = _f(None, "Memory of one GPU, for the capacity check before any actor "
                                          "starts (`dsv4batch plan`'s arithmetic). None: from Ray's "
                                          "accelerator_type when it is a known GPU, else no check.",
-                                         group="resources", ge=0.001)
+                                         group="resources", ge=0.001, le=MAX_GPU_MEMORY_GIB)
     wait_for_resources: bool = _f(False, "Start even when the cluster lacks the GPUs or CPUs the replicas need "
                                   "right now (an autoscaler will add nodes); without it such a run is refused up "
                                   "front.", group="resources")
@@ -166,14 +175,15 @@ class JobConfig(BaseModel):
                                  group="faults", ge=-1)
     collective_timeout_s: float = _f(300.0, "A collective between the ranks of a --tp replica (one rank dead or "
                                      "stopped) fails after this many seconds; the replica's ranks are restarted "
-                                     "and the batch retried.", group="faults", ge=1)
+                                     "and the batch retried.", group="faults", ge=1, le=MAX_TIMEOUT_S)
     batch_timeout_s: float = _f(1800.0, "A batch still running after this many seconds (a stopped or hung "
                                 "actor) has its actor killed; Ray restarts it and the batch is retried like a "
-                                "crash.", group="faults", ge=1)
+                                "crash.", group="faults", ge=1, le=MAX_TIMEOUT_S)
 
     # the fields that change what a row's output is (recorded per run, checked on resume)
-    RESULT_FIELDS: ClassVar[tuple[str, ...]] = ("model", "dtype", "text_column", "id_column", "keep_columns",
-                                                "max_model_len", "head_precision", "messages_column", "thinking")
+    RESULT_FIELDS: ClassVar[tuple[str, ...]] = ("model", "tokenizer", "dtype", "text_column", "id_column",
+                                                "keep_columns", "max_model_len", "head_precision", "messages_column",
+                                                "thinking")
 
     def __init__(self, **values: Any):
         try:
@@ -342,7 +352,7 @@ class GenerateConfig(JobConfig):
                                         "request's window, compressed entries and indexer keys); requests wait "
                                         "while it is full. None: what max_num_seqs requests of max_model_len "
                                         "need, within a quarter of the host's memory (CPU) or what the GPU has "
-                                        "left (`dsv4batch plan`).", group="engine", gt=0)
+                                        "left (`dsv4batch plan`).", group="engine", gt=0, le=MAX_MIB)
     batch_size: int = _f(256, "Rows per Ray Data batch sent to an actor (its requests are batched "
                          "continuously within it).", group="resources", ge=1)
     output_format: Literal["parquet", "openai-batch"] = _f(

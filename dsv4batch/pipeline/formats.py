@@ -13,6 +13,14 @@ ids and `--resume` need: there are no footers), unifies the schema, digests the 
 fingerprint `--resume` compares) and turns the first malformed line into a `UsageError` naming
 the file and line. It holds one chunk of a file at a time, never the whole file. pyarrow only
 (no Ray, no torch).
+
+Invalid text, the same in every format (`schema.utf8_text`): in the text, target and
+conversation columns invalid UTF-8 is decoded as U+FFFD and NUL is a character like any other,
+never an error. Parquet and JSONL hand their strings over as stored and the tokenize step
+decodes them; a CSV's text columns are read as bytes (pyarrow's CSV reader refuses invalid
+UTF-8 in a string column) and decoded as each block is read (`decode_text`), so they are strings
+from the read on; a raw NUL byte inside a JSONL string (which JSON wants escaped) is read as the
+escape \u0000 (`escape_nul`), as it already is in CSV and Parquet.
 """
 
 from __future__ import annotations
@@ -58,15 +66,34 @@ class TextFile(NamedTuple):
 def csv_options(text_columns=(), columns=None) -> dict:
     """pyarrow.csv.open_csv's options, the same in `scan_text`, the id scan and Ray's read:
     serial reads of 1 MiB blocks (type inference and `Row #N` in errors depend on both),
-    newlines allowed in quoted values, `text_columns` as strings, only `columns` when given."""
+    newlines allowed in quoted values, `text_columns` as bytes (`decode_text` makes them
+    strings), only `columns` when given."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    convert = pacsv.ConvertOptions(column_types={c: pa.string() for c in text_columns if c},
+    convert = pacsv.ConvertOptions(column_types={c: pa.binary() for c in text_columns if c},
                                    include_columns=list(columns) if columns else None)
     return {"read_options": pacsv.ReadOptions(use_threads=False, block_size=CSV_BLOCK_BYTES),
             "parse_options": pacsv.ParseOptions(newlines_in_values=True),
             "convert_options": convert}
+
+
+def decode_text(table, text_columns):
+    """`table` with its `text_columns` (those it has) as strings by the invalid-text rule
+    (`schema.utf8_text`): a CSV block as the pipeline reads it."""
+    from dsv4batch.pipeline.schema import utf8_text
+
+    for c in text_columns:
+        i = table.schema.get_field_index(c) if c else -1
+        if i >= 0:
+            table = table.set_column(i, c, utf8_text(table.column(i)))
+    return table
+
+
+def escape_nul(data: bytes) -> bytes:
+    """JSONL bytes with every raw NUL byte written as the JSON escape \\u0000: inside a string it
+    is then the NUL character (JSON forbids it raw); anywhere else the line stays malformed."""
+    return data.replace(b"\x00", b"\\u0000") if b"\x00" in data else data
 
 
 def json_read_options(longest_line: int = 0):
@@ -145,6 +172,7 @@ def _json_tables(stream, path: str, columns=None) -> Iterator[Any]:
     for chunk, first in _json_chunks(stream):
         if not chunk.strip():
             continue
+        chunk = escape_nul(chunk)
         try:
             table = pajson.read_json(pa.BufferReader(chunk), read_options=pajson.ReadOptions(
                 use_threads=False, block_size=len(chunk) + 1))
@@ -190,7 +218,7 @@ def _csv_tables(stream, path: str, open_stream, text_columns=(), columns=None):
     try:
         reader = pacsv.open_csv(stream, **csv_options(text_columns, columns))
         for batch in reader:
-            yield pa.Table.from_batches([batch]), None
+            yield decode_text(pa.Table.from_batches([batch]), text_columns), None
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         msg = str(exc)
         m = _CSV_ROW.search(msg)

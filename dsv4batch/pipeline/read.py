@@ -8,8 +8,11 @@ INPUT. Schemas, row counts and a fingerprint per file (what `--resume` compares)
 Parquet footers, or from one streamed pass over each JSONL/CSV file that also names the first
 malformed line. `check_input` validates the configured columns against every distinct schema
 and finds the one id type of all files, so a bad path, file, line, column or type is reported
-before Ray starts. `read` streams the needed columns through Ray Data's readers; on `--resume`
-it reads only files with rows still to score and drops the rows already written.
+before Ray starts. Text columns may be strings, binary or dictionary-encoded strings (pandas
+categoricals), read as text by the one invalid-text rule of every format (`schema.utf8_text`:
+invalid UTF-8 decoded as U+FFFD, NUL kept; `formats` for how each format gets there). `read`
+streams the needed columns through Ray Data's readers; on `--resume` it reads only files with
+rows still to score and drops the rows already written.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class InputInfo:
     # and the footer digest (Parquet) or the content digest (JSONL, CSV)
     id_type: Any = None  # the ids' one type over all files (set by check_input)
     format: str = "parquet"  # one of formats.FORMATS
-    text_columns: tuple = ()  # CSV: columns read as strings (the text and target)
+    text_columns: tuple = ()  # CSV: columns read as text (`formats.decode_text`): the tokenizer's
     longest_line: int = 0  # JSONL: the longest line over all files, in bytes
 
 
@@ -166,7 +169,6 @@ def _inspect_text(info: InputInfo) -> InputInfo:
     return info
 
 
-_TEXT_TYPES = ("is_string", "is_large_string", "is_string_view", "is_binary", "is_large_binary")
 _ID_TYPES = ("is_integer", "is_string", "is_large_string", "is_binary", "is_large_binary")
 
 
@@ -205,9 +207,9 @@ def check_input(info: InputInfo, config: JobConfig) -> None:
         S.check_columns("read", needed, names, where)
         for col in config.text_columns():
             t = schema.field(col).type
-            if not _is(t, _TEXT_TYPES):
+            if not S.is_text_type(t):
                 raise UsageError(f"column {col!r} has type {t} in {where}; expected a string "
-                                 "column (binary is read as UTF-8)")
+                                 "column (binary and dictionary-encoded strings are read as UTF-8)")
         if config.id_column in names:
             t = schema.field(config.id_column).type
             if not _is(t, _ID_TYPES):

@@ -3,6 +3,7 @@
 A resumed run must produce rows the first run could have produced:
 - `check_config`: the fields of `ScoreConfig.result_fields` (model, dtype, columns, scoring
   options) equal the recorded ones;
+- `check_tokenizer`: the same tokenizer file (its sha256), whichever path names it;
 - `check_compute`: the same device kind and resolved compute dtype (`--allow-device-change`
   accepts another, with a warning: the dataset then mixes precisions);
 - `check_inputs`: INPUT's files match their recorded fingerprints (size, rows, Parquet footer
@@ -35,6 +36,18 @@ def check_config(job: dict, config: JobConfig, log=None) -> dict:
         log(f"[dsv4batch] note: INPUT {config.input!r} differs from the recorded "
             f"{job.get('input')!r}; rows are matched by id")
     return job
+
+
+def check_tokenizer(job: dict, tokenizer: dict) -> None:
+    """`tokenizer`: this run's record (`model.tokenizer.check_tokenizer`); the recorded file's
+    sha256 must match (the same --tokenizer, or the model's tokenizer.json, rewritten in between
+    would tokenize the rest of the rows differently)."""
+    recorded = job.get("tokenizer")
+    if not recorded or recorded.get("sha256") == tokenizer["sha256"]:
+        return  # an OUTPUT of an older version records none
+    raise UsageError(f"--resume: the tokenizer {tokenizer['path']} differs from the one OUTPUT was written "
+                     f"with ({recorded.get('path')}, sha256 {recorded.get('sha256', '')[:12]}...): the rows "
+                     "left would be tokenized differently. Resume with that tokenizer, or write a new OUTPUT")
 
 
 def check_compute(job: dict, compute: dict, allow_change: bool, log) -> None:

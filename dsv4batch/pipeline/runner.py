@@ -28,16 +28,21 @@ from dsv4batch.pipeline.stats import Written
 VERBS = {"score": "scoring", "generate": "generating"}
 
 
-def check_model(model: str, tp: int = 1, weights: str = "stored") -> None:
-    """The model folder's config and safetensors headers, checked before Ray starts (cheap: no
-    tensor data is read); a folder that cannot load, or a model that cannot be split `tp` ways,
-    is a `UsageError` naming the problem (the config field, for a split)."""
+def check_model(model: str, tp: int = 1, weights: str = "stored", tokenizer: str | None = None) -> dict:
+    """Every model-folder check, before Ray starts and before OUTPUT is touched: config.json, the
+    safetensors headers and routing tables (`loader.check_checkpoint`: bounded by the config's
+    sizes) and the tokenizer (`tokenizer.check_tokenizer`: present, or named by `tokenizer`, and
+    fitting the vocabulary). Returns what `_job.json` records of the tokenizer; a folder that
+    cannot load, or a model that cannot be split `tp` ways, is a `UsageError` naming the problem
+    (the config field, for a split)."""
     from dsv4batch.model import ModelLoadError
     from dsv4batch.model.loader import check_checkpoint
     from dsv4batch.model.parallel import SplitError
+    from dsv4batch.model.tokenizer import check_tokenizer
 
     try:
-        check_checkpoint(model, tp, weights)
+        config = check_checkpoint(model, tp, weights)
+        return check_tokenizer(model, tokenizer, config.vocab_size)
     except (ModelLoadError, SplitError) as exc:
         raise UsageError(f"model {model!r}: {exc}") from exc
 
@@ -52,13 +57,13 @@ def run(config: JobConfig, *, log=None) -> dict:
     if not config.input or not config.output:
         raise UsageError("both INPUT and OUTPUT are required")
     info = inspect_input(config.input, exclude=config.output, input_format=config.input_format,
-                         text_columns=config.text_columns())
+                         text_columns=config.tokenizer_columns())
     check_input(info, config)
-    check_model(config.model, config.tp, config.weights_dtype)
+    tokenizer = check_model(config.model, config.tp, config.weights_dtype, config.tokenizer)
     run_id = uuid.uuid4().hex[:8]
     lease = Lease(*open_fs(config.output), run_id, log).acquire()
     try:
-        metrics = _run(config, info, run_id, log)
+        metrics = _run(config, info, {"run_id": run_id, "tokenizer": tokenizer}, log)
     finally:
         lease.release()
     if lease.lost:
@@ -66,41 +71,45 @@ def run(config: JobConfig, *, log=None) -> dict:
     return metrics
 
 
-def _run(config: JobConfig, info, run_id: str, log) -> dict:
+def _run(config: JobConfig, info, start: dict, log) -> dict:
+    """The run after the driver's checks; `start`: {"run_id", "tokenizer": its record}."""
     from dsv4batch.pipeline import schema as S
-    from dsv4batch.pipeline.resume import check_config, check_inputs
+    from dsv4batch.pipeline.resume import check_config, check_inputs, check_tokenizer
 
     state = O.inspect_output(config.output, config.overwrite, config.resume)
     job, parts = {}, O.Parts([], 0, None)
     if state.resuming:
         job = check_config(state.job, config, log)
+        check_tokenizer(job, start["tokenizer"])
         parts = O.finished_parts(config.output, S.config_output_names(config))
         check_inputs(job, info.fingerprints, config.id_column not in info.schema.names, log)
-    run = {"run_id": run_id, "input_rows": info.num_rows, "resumed": state.resuming,
+    run = {"run_id": start["run_id"], "input_rows": info.num_rows, "resumed": state.resuming,
            "model": config.model}
     if info.num_rows == 0:
         if parts.rows:
             raise UsageError(f"INPUT is empty but OUTPUT holds {parts.rows} rows of another run")
-        _start(config, info, state, job, run_id)
-        O.write_table(config.output, O.part_name(run_id, 0), _empty_table(config, info))
+        _start(config, info, state, job, start)
+        O.write_table(config.output, O.part_name(start["run_id"], 0), _empty_table(config, info))
         return _finish(config, info, _nothing(), 0.0, {**run, "rows_skipped": 0}, job, log)
-    return _score(config, info, state, job, parts, run, log)
+    return _score(config, info, state, job, parts, run, start, log)
 
 
-def _start(config: JobConfig, info, state, job: dict, run_id: str) -> None:
-    """Every check passed: clear OUTPUT as planned, record the run in `_job.json`."""
+def _start(config: JobConfig, info, state, job: dict, start: dict) -> None:
+    """Every check passed: clear OUTPUT as planned, record the run in `_job.json` (`start`:
+    {"run_id", "tokenizer": the tokenizer's source, path and sha256})."""
     O.clear_output(state)
+    run_id = start["run_id"]
     runs = [*job.get("runs", []), {"run_id": run_id, "resumed": state.resuming,
                                    "started": time.time()}]
     O.write_json(config.output, O.JOB, {
         "writer": O.WRITER, "version": __version__, "run_id": run_id, "input": config.input,
         "result": config.result_fields(), "compute": job.get("compute") or config.compute(),
-        "config": config.to_dict(), "input_rows": info.num_rows,
+        "tokenizer": start["tokenizer"], "config": config.to_dict(), "input_rows": info.num_rows,
         "input_files": len(info.files), "id_type": str(info.id_type),
         "inputs": info.fingerprints, "runs": runs})
 
 
-def _score(config: JobConfig, info, state, job: dict, parts, run: dict, log) -> dict:
+def _score(config: JobConfig, info, state, job: dict, parts, run: dict, start: dict, log) -> dict:
     import ray
 
     from dsv4batch.pipeline.cluster import configure_data_context, connect
@@ -128,7 +137,7 @@ def _score(config: JobConfig, info, state, job: dict, parts, run: dict, log) -> 
                            parts.id_type)
         log(f"[dsv4batch] id scan: {info.num_rows} ids checked, {pending.skipped} already in "
             f"OUTPUT ({time.time() - t0:.1f}s)")
-    _start(config, info, state, job, run["run_id"])
+    _start(config, info, state, job, start)
     skipped = pending.skipped if pending else 0
     todo = None if info.num_rows is None else info.num_rows - skipped
     run = {**run, "rows_skipped": skipped}
@@ -185,7 +194,8 @@ def _finish(config, info, result, wall: float, extra: dict, job: dict, log) -> d
         from dsv4batch.model.tokenizer import load_tokenizer, tokenizer_source
         from dsv4batch.pipeline.openai_batch import write_output
 
-        lines = write_output(config.output, load_tokenizer(tokenizer_source(config.model)), config.model)
+        lines = write_output(config.output, load_tokenizer(tokenizer_source(config.model, config.tokenizer)),
+                             config.model)
         log(f"[dsv4batch] wrote {lines} response lines to {O.RESULTS}")
     O.write_json(config.output, O.METRICS, metrics)
     O.write_json(config.output, O.SUCCESS, {"run_id": extra["run_id"], "rows": total})

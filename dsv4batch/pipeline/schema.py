@@ -3,6 +3,12 @@
 read -> [derive ids] -> Tokenize -> ScoringActor -> sink (`stages/`, `ids/`, `sink`). Each step declares a `StageSpec`: the
 columns it needs and the ones it adds; `check_columns` turns a missing column into a message
 that lists what is available. pyarrow is imported lazily (only `output_schema` needs it).
+
+Text: the one invalid-text rule of every input format (`utf8_text`, `utf8_values`). The columns
+the tokenizer reads (text, target, conversations) are UTF-8 text in any of Arrow's string,
+binary or dictionary-of-those types; every invalid byte sequence is decoded as U+FFFD (Python's
+"replace"), never an error, and every character is kept, NUL (U+0000) included. Other columns
+(ids, --keep-columns) are carried as read.
 """
 
 from __future__ import annotations
@@ -25,6 +31,75 @@ SCORE_COLUMNS = ("num_tokens", "num_scored_tokens", "logprob_sum", "logprob_mean
 TOKEN_LOGPROBS = "token_logprobs"
 TOP_IDS, TOP_LOGPROBS = "top_ids", "top_logprobs"  # only with --top-logprobs K > 0
 TRUNCATED = "truncated_tokens"  # only with --truncate left|right
+
+
+def is_text_type(t) -> bool:
+    """A type `utf8_text` reads as text: string, large_string, string_view, binary, large_binary,
+    or a dictionary of one of them (what pandas categoricals write to Parquet)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return any(f(t) for f in (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view,
+                              pa.types.is_binary, pa.types.is_large_binary))
+
+
+def utf8_text(column):
+    """A text column (`is_text_type`; Array or ChunkedArray) as valid UTF-8 strings (the module's
+    rule: invalid bytes -> U+FFFD, nulls stay null): large_string for the large types, else
+    string. Valid columns pass through untouched (strings) or cast (binary, dictionaries); only a
+    column holding invalid UTF-8 is decoded in Python."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)
+    t = column.type
+    target = pa.large_string() if pa.types.is_large_binary(t) or pa.types.is_large_string(t) else pa.string()
+    try:
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            return column.cast(target)  # the cast checks the UTF-8
+        column.validate(full=True)  # strings: a full validation checks the UTF-8
+        return column
+    except pa.ArrowInvalid:
+        values = column.cast(pa.large_binary()).to_pylist()
+        return pa.array([None if v is None else v.decode("utf-8", "replace") for v in values], target)
+
+
+def utf8_values(column) -> list:
+    """Python values of any column, text leaves decoded by the module's rule (a conversation's
+    list<struct<role, content>> included): `to_pylist`, except that invalid UTF-8 in a string
+    leaf becomes U+FFFD instead of a `UnicodeDecodeError`."""
+    if is_text_type(column.type):
+        return utf8_text(column).to_pylist()
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        return [_decoded(v) for v in column.cast(_as_binary(column.type)).to_pylist()]
+
+
+def _as_binary(t):
+    """`t` with every string leaf (nested in lists and structs) as large_binary."""
+    import pyarrow as pa
+
+    if is_text_type(t):
+        return pa.large_binary()
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _as_binary(f.type), f.nullable) for f in t])
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        inner = pa.field(t.value_field.name, _as_binary(t.value_type))
+        return pa.list_(inner) if pa.types.is_list(t) else pa.large_list(inner)
+    return t
+
+
+def _decoded(value):
+    """A Python value with its bytes decoded by the module's rule, through lists and dicts."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [_decoded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _decoded(v) for k, v in value.items()}
+    return value
 
 
 @dataclass(frozen=True)

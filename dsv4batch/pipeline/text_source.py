@@ -7,6 +7,10 @@ read task, in order, so the datasources below (Ray's own `ArrowJSONDatasource` a
 `CSVDatasource`, reading as they do) count the rows of each file as its blocks come out and
 append the same hash Ray computes for Parquet (`ids.hashing.row_hash`). A retried read replays
 a file from its start, so the positions are the same on every attempt.
+
+They read text as the driver's scan does (`formats`' invalid-text rule): a CSV's text columns
+are decoded as each block comes out (`formats.decode_text`), a JSONL file's raw NUL bytes are
+escaped before pyarrow parses it (`formats.escape_nul`).
 """
 
 from __future__ import annotations
@@ -36,11 +40,45 @@ class _Positions:
             yield block
 
 
-class JSONLSource(_Positions, ArrowJSONDatasource):
+class _NulEscaped:
+    """A file whose `read_buffer` (all Ray's JSON reader calls) returns its bytes with raw NUL
+    bytes escaped (`formats.escape_nul`); the file itself is left as it is."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def read_buffer(self):
+        import numpy as np
+        import pyarrow as pa
+
+        buffer = self.f.read_buffer()
+        if buffer.size and np.frombuffer(buffer, np.uint8).min() == 0:  # a NUL byte: escape them
+            return pa.py_buffer(F.escape_nul(buffer.to_pybytes()))
+        return buffer
+
+
+class _EscapedJSON:
+    """Mixin for Ray's JSON datasource: parse the file with raw NUL bytes escaped."""
+
+    def _read_stream(self, f, path: str):
+        yield from super()._read_stream(_NulEscaped(f), path)
+
+
+class _DecodedText:
+    """Mixin for Ray's CSV datasource: `text_columns` decoded in every block (`formats.decode_text`)."""
+
+    text_columns: tuple = ()
+
+    def _read_stream(self, f, path: str):
+        for block in super()._read_stream(f, path):
+            yield F.decode_text(block, self.text_columns)
+
+
+class JSONLSource(_Positions, _EscapedJSON, ArrowJSONDatasource):
     """`ray.data.read_json`'s pyarrow reader (one JSON object per line) + `row_hash`."""
 
 
-class CSVSource(_Positions, CSVDatasource):
+class CSVSource(_Positions, _DecodedText, CSVDatasource):
     """`ray.data.read_csv`'s reader + `row_hash`."""
 
 
@@ -72,6 +110,7 @@ def read_text(files: list[str], info, columns: list[str], located: bool):
     else:
         source = CSVSource(files, arrow_csv_args=F.csv_options(info.text_columns, columns),
                            **common)
+        source.text_columns = info.text_columns
     source.located = located
     ds = ray.data.read_datasource(source)
     return ds.select_columns([*columns, *(["path", "row_hash"] if located else [])])

@@ -4,6 +4,7 @@ also checks the row invariant (rows in == rows scored + rows with an error, ids 
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -101,6 +102,7 @@ def copy_checkpoint(src, dst, edit_state=None, edit_config=None) -> str:
     save_file(state, os.path.join(dst, "model.safetensors"))
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f)
+    shutil.copy(os.path.join(src, "tokenizer.json"), dst)  # a folder without one is refused (issue 39)
     return str(dst)
 
 

@@ -5,7 +5,9 @@ Each call takes a tokenized Arrow batch (`[bos] + tokens(prompt)` per row), buil
 seed gets one derived from the run's `--seed` and its id, so its output never depends on its
 batch, its replica or a resume), and lets the engine generate them all with continuous batching
 (`Engine.generate`). Bad parameters (or a prompt + max_tokens beyond max_model_len) are that
-row's error, naming the field. Loading, fault handling and statistics are the replica actor's.
+row's error, naming the field; a row whose logits were not finite at a step gets the engine's
+`Generation.error` (a failed row, as in scoring). Loading, fault handling and statistics are the
+replica actor's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from dsv4batch.pipeline import schema as S
 from dsv4batch.pipeline.config import GenerateConfig
 from dsv4batch.pipeline.stages.actor import Answer, ReplicaActor
-from dsv4batch.pipeline.stages.score import read_ids
+from dsv4batch.pipeline.stages.score import failed_rows, read_ids
 
 
 class GenerateActor(ReplicaActor):
@@ -43,6 +45,7 @@ class GenerateActor(ReplicaActor):
             todo = [i for i in range(batch.num_rows) if errors[i] is None]
             stats = self.run_rows(lambda rows: self._generate([ids[i].tolist() for i in rows],
                                                               [params[i] for i in rows]), todo, results, errors)
+            failed_rows(results, errors)  # stopped on non-finite logits
         done = [r for r, e in zip(results, errors) if r is not None and e is None]
         table = build_output(batch, results, errors, self.config)
         if self.config.is_openai:  # each request line's response needs its line, metadata and status

@@ -27,5 +27,5 @@ def load_engine(config: JobConfig, num_gpus: float):
     dtype = torch_dtype(config.dtype, device)
     engine = Engine.from_pretrained(config.model, device=device, dtype=dtype,
                                     config=EngineConfig(**config.engine_kwargs()),
-                                    weights=config.weights_dtype)
+                                    weights=config.weights_dtype, tokenizer=config.tokenizer)
     return engine, device, str(dtype).removeprefix("torch.")

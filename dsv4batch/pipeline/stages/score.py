@@ -4,6 +4,8 @@ Each call takes a tokenized Arrow batch, lets the engine pack its requests into 
 of at most `max_batched_tokens` query tokens (long requests span steps, short ones share one)
 with planned prefill chunks (`Engine.score_details`: per position the logprob, whether the token
 was the argmax, and the top `--top-logprobs` tokens), and returns one output row per input row.
+A row whose scores are not finite gets the engine's error ("non-finite logits at position N")
+instead of NaN scores: a failed row (`failed_rows`).
 Loading, fault handling and statistics are the replica actor's (`stages/actor.py`).
 """
 
@@ -41,6 +43,7 @@ class ScoringActor(ReplicaActor):
                         results[i] = no_scores(self.config.top_logprobs)
             model_stats = self.run_rows(lambda rows: self._call([ids[i] for i in rows]), todo, results,
                                         errors, lambda i, out: tail(out, int(scored[i])))
+            failed_rows(results, errors)
         out = build_output(batch, lengths, scored, results, errors, self.config)
         ok = [i for i in range(batch.num_rows) if errors[i] is None]
         return Answer(out, model_stats, input_tokens=int(sum(lengths[i] for i in ok)),
@@ -52,6 +55,15 @@ class ScoringActor(ReplicaActor):
         if len(outs) != len(requests):
             raise RuntimeError(f"model returned {len(outs)} results for {len(requests)} requests")
         return outs, stats
+
+
+def failed_rows(results: list, errors: list) -> None:
+    """Give each row whose result carries an `error` (the engine's: non-finite logits, position
+    N counted from the row's first scored token) that error: it failed, like a crashed batch's
+    rows, and counts toward --max-errored-rows."""
+    for i, r in enumerate(results):
+        if r is not None and errors[i] is None and r.error is not None:
+            errors[i] = r.error
 
 
 # -- the output columns ----------------------------------------------------------------------

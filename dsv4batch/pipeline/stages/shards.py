@@ -68,7 +68,8 @@ class RankWorker:
         t0 = time.perf_counter()
         self.engine = Engine.from_pretrained(config.model, device=device, dtype=torch_dtype(config.dtype, device),
                                              config=EngineConfig(**config.engine_kwargs()),
-                                             weights=config.weights_dtype, tp=TP(self.rank, self.world))
+                                             weights=config.weights_dtype, tp=TP(self.rank, self.world),
+                                             tokenizer=config.tokenizer)
         tensors = list(self.engine.model.parameters()) + list(self.engine.model.buffers())
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "device": device, "dtype": str(self.engine.model.head.weight.dtype).removeprefix("torch."),

@@ -5,7 +5,9 @@ from the scoring actors, so tokenization overlaps the forward instead of running
 before it (Ray Data only fuses task steps into an actor step, never two actor steps). Rows that
 cannot be scored (null text or target, too many tokens without --truncate, text the tokenizer
 rejects) keep their place and get an `error`; the scoring actor skips them. Every row in comes
-out exactly once, in order.
+out exactly once, in order. Text is read by the one invalid-text rule of every input format
+(`schema.utf8_text`: string, binary and dictionary columns; invalid UTF-8 decoded as U+FFFD,
+NUL kept), conversations too (`schema.utf8_values`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class Tokenize:
         from dsv4batch.model.tokenizer import bos_token_id, load_tokenizer, tokenizer_source
 
         self.config, self.stats = config, stats
-        self.tokenizer = load_tokenizer(tokenizer_source(config.model))
+        self.tokenizer = load_tokenizer(tokenizer_source(config.model, config.tokenizer))
         self.bos = bos_token_id(config.model)
 
     def _encode(self, strs: list) -> list:
@@ -71,12 +73,12 @@ class Tokenize:
         JSON columns)."""
         cfg = self.config
         if getattr(cfg, "is_openai", False):
-            return self._requests(batch[cfg.text_column].to_pylist())
+            return self._requests(S.utf8_values(batch[cfg.text_column]))
         if not cfg.messages_column:
             target = getattr(cfg, "target_column", None)  # scoring's continuation column
             return _texts(batch[cfg.text_column]), _texts(batch[target]) if target else None, {}
         prompts, targets = [], []
-        for value in batch[cfg.messages_column].to_pylist():
+        for value in S.utf8_values(batch[cfg.messages_column]):
             try:
                 if cfg.task == "score":
                     prompt, reply = chat.split_last(value, cfg.thinking)
@@ -167,15 +169,7 @@ class Tokenize:
 
 
 def _texts(column) -> list:
-    """Python strings of a text column; bytes and invalid UTF-8 are decoded with U+FFFD.
-
-    A `binary` column is taken as UTF-8 text. A `string` column that holds invalid UTF-8 (Parquet
-    writers do not all validate) cannot become Python strings, so it is read as bytes instead.
-    """
-    import pyarrow as pa
-
-    try:
-        values = column.to_pylist()
-    except UnicodeDecodeError:
-        values = column.cast(pa.large_binary()).to_pylist()
-    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in values]
+    """Python strings (None for null) of a text column by `schema.utf8_text`'s rule: a `binary`
+    or dictionary column is UTF-8 text, and invalid UTF-8 (Parquet and JSON writers do not all
+    validate) is decoded with U+FFFD."""
+    return S.utf8_text(column).to_pylist()
