@@ -18,7 +18,7 @@ ALLOWED = {
     "model": {"planner", "kernels"},
     # the stages are peers: they share the pipeline's common modules, never the driver's
     "pipeline/stages": {"model", "planner", "kernels", "pipeline/config", "pipeline/schema",
-                        "pipeline/errors", "pipeline/faults", "pipeline/stats"},
+                        "pipeline/errors", "pipeline/faults", "pipeline/stats", "pipeline/openai_batch"},
     "pipeline": {"model", "planner", "kernels", "pipeline/stages"},
     # the lm-eval backend: a client of the pipeline (and its scoring stage) and the model
     "eval": {"pipeline", "pipeline/stages", "model", "planner", "kernels"},

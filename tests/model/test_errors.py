@@ -83,8 +83,8 @@ def test_broken_checkpoint_is_named_by_check_and_load(ckpt, tmp_path, case):
 
 
 def test_check_checkpoint_accepts_good_and_tiny(ckpt):
-    assert check_checkpoint(ckpt) is None
-    assert check_checkpoint(TINY) is None
+    assert check_checkpoint(ckpt).vocab_size == 512  # the folder's config
+    assert check_checkpoint(TINY).model_type == "deepseek_v4"
 
 
 def test_check_checkpoint_checks_the_config(ckpt, tmp_path):
