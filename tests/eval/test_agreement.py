@@ -83,7 +83,7 @@ def check_agreement(setup, ours, samples, near_tie):
                 if ra[1:] != tuple(rb[1:]):  # is_greedy
                     assert near_tie(*req), (name, a["doc_id"], req)
                     flipped = True
-            unsure += flipped or choices_near_tied(b)
+            unsure += flipped or choices_near_tied(b, args)
         for metric in ("acc,none", "acc_norm,none"):
             if metric in theirs:
                 assert abs(mine[metric] - theirs[metric]) <= unsure / len(hf_samples), (name, metric)
@@ -94,10 +94,10 @@ def check_agreement(setup, ours, samples, near_tie):
                 assert mine[metric] == pytest.approx(theirs[metric], rel=1e-4), (name, metric)
 
 
-def choices_near_tied(sample, tol: float = 1e-4) -> bool:
-    """A multiple-choice sample whose two likeliest choices (raw or per character, as acc and
-    acc_norm rank them) are within rounding of each other."""
-    reqs = [list(v.values()) for v in sample["arguments"].values()]
+def choices_near_tied(sample, reqs: list, tol: float = 1e-4) -> bool:
+    """A multiple-choice sample (its requests `reqs`: [context, continuation] each) whose two
+    likeliest choices (raw or per character, as acc and acc_norm rank them) are within rounding
+    of each other."""
     lls = [r[0] for r in responses(sample)]
     if len(lls) < 2:
         return False
