@@ -239,7 +239,7 @@ def parity_section(run: Run) -> dict:
 
     from dsv4batch.kernels import flashmla
     from dsv4batch.kernels import triton as ktriton
-    from dsv4batch.kernels.reference import sparse_mla_prefill_torch
+    from dsv4batch.kernels.sparse_mla_torch import sparse_mla_prefill_torch
 
     attn, _ = ktriton.kernels()
     out: dict = {}
@@ -327,7 +327,7 @@ def attention_section(run: Run) -> dict:
 
     from dsv4batch.kernels import flashmla
     from dsv4batch.kernels import triton as ktriton
-    from dsv4batch.kernels.reference import sparse_mla_prefill_torch
+    from dsv4batch.kernels.sparse_mla_torch import sparse_mla_prefill_torch
 
     attn, _ = ktriton.kernels()
     d = 64 if run.dry else 512

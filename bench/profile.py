@@ -18,7 +18,7 @@ would reach with the head's GEMM at that rate, and `floor_speedup`: the ratio wi
 (the stack's counted mm/bmm FLOPs, `stack_gflop`, and the head's) at that rate (`add_ceilings`).
 `--kernels`: the C++ CPU kernels on each case, in one process, end to end, interleaved, best of
 `--repeats` (`kernels_case`): `tiled` = torch attention (`attn_backend="torch"`) and the tiled
-head (`DSV4BATCH_CPU_GEMM=onednn`), the engine before these kernels; `attn` = the fused cpu
+head (`KernelConfig.gemm="onednn"`), the engine before these kernels; `attn` = the fused cpu
 attention kernel and the tiled head; `fused` = both C++ kernels (the default): tokens/s,
 speedups over `tiled` and the logprobs' absolute difference from it (`bench/variants.py`).
 `--attn-backend`: our engine's `EngineConfig.attn_backend` for every other measurement.

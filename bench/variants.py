@@ -11,7 +11,7 @@ import torch
 from bench.common import best_of
 
 
-# name: (attn_backend, DSV4BATCH_CPU_GEMM, DSV4BATCH_CPU_ELEMENTWISE). tiled: round six's torch paths
+# name: (attn_backend, KernelConfig.gemm, KernelConfig.elementwise). tiled: round six's torch paths
 # (torch attention and indexer, the oneDNN-tiled head); attn: + the attention and indexer kernels;
 # fused: + the fused head; all (the default engine): + the token-wise C++ passes
 KERNEL_VARIANTS = {"tiled": ("torch", "onednn", "torch"), "attn": ("cpu", "onednn", "torch"),
@@ -22,27 +22,17 @@ def kernels_case(ours, batch, repeats: int) -> dict:
     """`KERNEL_VARIANTS` of one engine's model on one batch:
     tok/s of each (interleaved, best of `repeats`), speedups over "tiled", |logprob difference|."""
     import dataclasses
-    import os
 
-    from dsv4batch.kernels.dense import ENV_CPU_GEMM
-    from dsv4batch.kernels.elementwise import ENV_ELEMENTWISE
+    from dsv4batch.kernels import use_kernels
     from dsv4batch.model import Engine
 
     def run(name):
-        attn, *env = KERNEL_VARIANTS[name]
-        engine = Engine(ours.model, dataclasses.replace(ours.config, attn_backend=attn))
-        saved = {k: os.environ.get(k) for k in (ENV_CPU_GEMM, ENV_ELEMENTWISE)}
-        os.environ.update(zip((ENV_CPU_GEMM, ENV_ELEMENTWISE), env))
-        try:
-            t0 = time.perf_counter()
-            out = engine.score(batch)[0]
-            return time.perf_counter() - t0, np.concatenate(out).astype(np.float64)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        attn, gemm, elementwise = KERNEL_VARIANTS[name]
+        with use_kernels(gemm=gemm, elementwise=elementwise):  # the engine keeps them (Engine.kernels)
+            engine = Engine(ours.model, dataclasses.replace(ours.config, attn_backend=attn))
+        t0 = time.perf_counter()
+        out = engine.score(batch)[0]
+        return time.perf_counter() - t0, np.concatenate(out).astype(np.float64)
 
     scores = {k: run(k)[1] for k in KERNEL_VARIANTS}  # warm-up (packs each head copy once)
     t = {k: float("inf") for k in KERNEL_VARIANTS}

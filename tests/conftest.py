@@ -140,3 +140,16 @@ def run_python():
     modules an import pulls in, a peak RSS): `run_python(code, *args, **subprocess.run
     options)` -> CompletedProcess (text, captured; `check=True` to fail on a non-zero exit)."""
     return lambda code, *args, **options: _python(["-c", code, *args], **options)
+
+
+@pytest.fixture
+def kernels():
+    """set(**fields): the active `KernelConfig` with `fields` replaced, for the rest of the test
+    (what `monkeypatch.setenv` did for the old environment switches); engines made afterwards
+    keep it (`Engine.kernels`)."""
+    from contextlib import ExitStack
+
+    from dsv4batch.kernels import use_kernels
+
+    with ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(use_kernels(**fields))

@@ -3,8 +3,10 @@
 This package is the one module family that imports ``flash_mla`` (the ``sgl-flash-mla`` wheel,
 optional extra ``gpu``).  Everything else calls :func:`sparse_mla_prefill`, which runs either
 
-* ``"torch"``: :func:`dsv4batch.kernels.reference.sparse_mla_prefill_torch`, pure torch, CPU or
-  CUDA, fp32 math.  **That function is the definition of the contract below**;
+* ``"torch"``: :func:`dsv4batch.kernels.sparse_mla_torch.sparse_mla_prefill_torch`, pure torch,
+  CPU or CUDA, fp32 math (dense blocks over unions of slots, gathered slices).  **The definition
+  of the contract below** is :func:`dsv4batch.kernels.ref.sparse_mla_prefill_ref` (``ref.py``,
+  short dense fp64 code that every backend is tested against);
 * ``"cpu"``: :func:`dsv4batch.kernels.cpu.sparse_mla_prefill_cpu`, a fused C++ kernel built on
   first use (``cpu.py``): one query at a time over its own slots, fp32 math, equal to the
   reference up to fp32 rounding; CPU tensors, not fp64, d_qk and d_v multiples of 16; or
@@ -20,8 +22,9 @@ optional extra ``gpu``).  Everything else calls :func:`sparse_mla_prefill`, whic
 Backend choice: ``backend="auto"`` takes FlashMLA when it imported and the call fits it, else
 Triton for CUDA tensors where it imports and a one-time probe on that GPU agreed with torch,
 else the cpu kernel when the call fits it and it builds, else torch (the Lightning Indexer follows
-the same request: :func:`indexer_topk`); the environment variable ``DSV4BATCH_ATTN_BACKEND``
-(``auto``/``torch``/``cpu``/``flashmla``/``triton``) replaces ``"auto"`` when set.  ``"torch"`` /
+the same request: :func:`indexer_topk`); ``"auto"`` first takes the active :class:`KernelConfig`'s
+``attention`` (``config.py``: the engine makes its own config active around its steps, from
+``EngineConfig.attn_backend``), whose own ``"auto"`` is the order above.  ``"torch"`` /
 ``"cpu"`` / ``"flashmla"`` / ``"triton"`` force a backend; forcing one where it cannot run raises
 ``RuntimeError`` with the reason.
 
@@ -75,19 +78,21 @@ from .cpu import head_stats, head_supported, pack_head
 from .dense import bf16_available, bf16_linear, dense_linear, pack_weight
 from .elementwise import (HC_MAX, elementwise_supported, hc_collapse_cpu, hc_post_cpu, hc_pre_cpu, rms_norm_cpu,
                           rope_cpu, swiglu_cpu)
-from .env import env_choice
+from .config import KernelConfig
+from .config import current as current_kernels
+from .config import use as use_kernels
 from .indexer import indexer_topk_torch
 from .quant_matmul import quant_backends, quant_linear
-from .reference import check_shapes, sparse_mla_prefill_torch
 from .select import chosen, selection
+from .sparse_mla_torch import check_shapes, sparse_mla_prefill_torch
 
-__all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "requested_backend", "ENV_BACKEND",
+__all__ = ["sparse_mla_prefill", "available_backends", "attention_backend", "requested_backend", "KernelConfig",
+           "current_kernels", "use_kernels",
            "quant_linear", "quant_backends", "dense_linear", "pack_weight", "bf16_linear", "bf16_available",
            "head_stats", "head_supported", "pack_head", "indexer_topk", "elementwise_supported", "rope_cpu",
            "hc_collapse_cpu", "hc_post_cpu", "hc_pre_cpu", "HC_MAX", "rms_norm_cpu", "swiglu_cpu", "chosen",
            "selection"]
 
-ENV_BACKEND = "DSV4BATCH_ATTN_BACKEND"
 _BACKENDS = ("auto", "torch", "cpu", "flashmla", "triton")
 
 
@@ -114,11 +119,11 @@ def attention_backend(backend: str, device, dtype: torch.dtype, d_qk: int) -> st
 
 
 def requested_backend(backend: str) -> str:
-    """What a call with ``backend`` asks for: ``DSV4BATCH_ATTN_BACKEND`` in place of ``"auto"``
-    when set (ValueError for a name that is not a backend)."""
+    """What a call with ``backend`` asks for: the active `KernelConfig.attention` in place of
+    ``"auto"`` (ValueError for a name that is not a backend)."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    return (env_choice(ENV_BACKEND, _BACKENDS) or "auto") if backend == "auto" else backend
+    return current_kernels().attention if backend == "auto" else backend
 
 
 def _resolve(backend: str, q: torch.Tensor, d_v: Optional[int]) -> str:
@@ -150,7 +155,7 @@ def sparse_mla_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill: returns ``(out [s_q,h_q,d_v] q.dtype, max_logits [s_q,h_q] fp32,
     lse [s_q,h_q] fp32)``.  Shapes, dtypes and edge cases: see the module docstring; the
-    definition is :func:`dsv4batch.kernels.reference.sparse_mla_prefill_torch`.
+    definition is :func:`dsv4batch.kernels.ref.sparse_mla_prefill_ref`.
 
     ``query_blocks``: optional increasing boundaries ``[0, ..., s_q]`` of consecutive queries
     that share most of their slots (one request's neighbouring positions). A hint, not part of

@@ -2,8 +2,8 @@
 Lightning Indexer's top-k (the token-wise passes: ``elementwise.py``).
 
 ``csrc/sparse_mla.cpp`` is the ``"cpu"`` backend of :func:`dsv4batch.kernels.sparse_mla_prefill`.
-The torch reference (``reference.py``, the definition) runs each block of queries as batched
-GEMMs over the *union* of the block's slots: a gathered copy of those K rows, logits for slots a
+The torch backend (``sparse_mla_torch.py``; the definition is ``ref.py``) runs each block of
+queries as batched GEMMs over the *union* of the block's slots: a gathered copy of those K rows, logits for slots a
 query does not use, masks and padding. At DSv4's long-context shapes that is 2-5x the useful
 work (a ratio-4 layer's 32-query block attends over ~360 rows where each query has 192 slots).
 This kernel runs one query at a time over its own valid slots, reading K = V rows straight from
@@ -17,8 +17,8 @@ written, read back, exp'd and summed as `model/head.vocab_tiles` does); the weig
 panels as wide as the ISA's register block (:func:`pack_head`, a second copy of it).
 
 ``csrc/indexer.cpp`` (:func:`indexer_topk_cpu`) is the Lightning Indexer's top-k (contract and
-definition: ``indexer.py``): one query at a time over its own keys, a tile of keys x heads of dot
-products in registers, the weighted ReLU sum over heads folded in there, and a running top-k:
+torch path: ``indexer.py``; definition: ``ref.py``): one query at a time over its own keys, a
+tile of keys x heads of dot products in registers, the weighted ReLU sum over heads folded in there, and a running top-k:
 no [heads, queries, keys] block, no mask, no full sort.
 
 ``csrc/elementwise.cpp`` holds the block's token-wise fp32 passes (their wrappers:

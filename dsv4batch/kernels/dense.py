@@ -35,8 +35,8 @@ bits and time), so a head's numbers would depend on the CPU. A [512, 256] x [256
 1.39 vs 2.68 ms on a 2-core Zen 4 EPYC; error against fp64 mean 0.0018 / max 0.014 at mean
 |logit| 0.64 (0.0015 / 0.0097 from the input rounding alone).
 
-``DSV4BATCH_CPU_GEMM`` = ``auto`` (default: the fused C++ head, `cpu.head_stats`, where it
-builds, and oneDNN when it works for the tiles), ``fused`` (the fused head, raise if it cannot
+The active `KernelConfig.gemm` (``config.py``; bench and tests set it) = ``auto`` (default: the
+fused C++ head, `cpu.head_stats`, where it builds, and oneDNN when it works for the tiles), ``fused`` (the fused head, raise if it cannot
 run), ``onednn`` (tiles on oneDNN, raise if it cannot run) or ``blas`` (tiles on ``F.linear``).
 """
 
@@ -45,17 +45,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .env import env_choice
+from .config import current
 
-ENV_CPU_GEMM = "DSV4BATCH_CPU_GEMM"
-CHOICES = ("auto", "fused", "onednn", "blas")
 _onednn_ok: bool | None = None  # None: not checked yet in this process
 _bf16_ok: bool | None = None
 
 
 def cpu_gemm() -> str:
-    """The `DSV4BATCH_CPU_GEMM` choice (auto when unset); ValueError for anything else."""
-    return env_choice(ENV_CPU_GEMM, CHOICES) or "auto"
+    """The active `KernelConfig.gemm`: "auto", "fused", "onednn" or "blas"."""
+    return current().gemm
 
 
 def onednn_available() -> bool:
@@ -67,7 +65,7 @@ def onednn_available() -> bool:
 
 
 def bf16_available() -> bool:
-    """Whether `bf16_linear` runs here: `DSV4BATCH_CPU_GEMM` is not blas, oneDNN runs, the CPU
+    """Whether `bf16_linear` runs here: `KernelConfig.gemm` is not blas, oneDNN runs, the CPU
     has bf16 GEMM units (AVX512-BF16 or AMX), and a bf16 product agrees with fp32 to bf16
     rounding (checked once per process)."""
     global _bf16_ok
@@ -123,7 +121,7 @@ def _is_onednn_call(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if onednn_available():
         return True
     if choice == "onednn":
-        raise RuntimeError(f"{ENV_CPU_GEMM}=onednn, but oneDNN's linear does not run on this machine")
+        raise RuntimeError("KernelConfig.gemm='onednn', but oneDNN's linear does not run on this machine")
     return False
 
 

@@ -3,7 +3,7 @@ built with the other CPU kernels by ``cpu.py``): RoPE, mHC's weights / collapse 
 RMSNorm and SwiGLU. Definitions: the torch paths in ``model/layers.py``, which call these where
 :func:`elementwise_supported` and keep their own code as the fallback. Each equals its definition
 up to fp32 rounding, and a row's bits never depend on the rows beside it (tests:
-``tests/kernels/test_elementwise.py``). ``DSV4BATCH_CPU_ELEMENTWISE=torch`` keeps the torch paths
+``tests/kernels/test_elementwise.py``). The active `KernelConfig.elementwise` = ``torch`` keeps the torch paths
 (``auto``, the default: these kernels wherever they can run).
 """
 
@@ -12,10 +12,8 @@ from __future__ import annotations
 import torch
 
 from .cpu import op
-from .env import env_choice
+from .config import current
 from .select import chosen
-
-ENV_ELEMENTWISE = "DSV4BATCH_CPU_ELEMENTWISE"
 
 
 def _ew_threads(work: int) -> int:
@@ -27,9 +25,9 @@ def _ew_threads(work: int) -> int:
 
 def elementwise_supported(*tensors: torch.Tensor) -> bool:
     """Whether the token-wise kernels run for these tensors: all fp32, contiguous, on the CPU, no
-    grad, ``DSV4BATCH_CPU_ELEMENTWISE`` not ``torch``, and the kernels built and chosen for this
+    grad, the active ``KernelConfig.elementwise`` not ``torch``, and the kernels built and chosen for this
     ISA (``select.py``)."""
-    if env_choice(ENV_ELEMENTWISE, ("auto", "torch")) == "torch":
+    if current().elementwise == "torch":
         return False
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                and not (t.requires_grad and torch.is_grad_enabled()) for t in tensors) and chosen("elementwise")

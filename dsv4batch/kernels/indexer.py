@@ -1,4 +1,5 @@
-"""The Lightning Indexer's top-k over packed queries: the contract and its torch definition.
+"""The Lightning Indexer's top-k over packed queries: the contract and its torch backend (the
+definition, one query at a time in fp64, is ``ref.indexer_topk_ref``).
 
 For query i (one token of a request) and the keys it sees, ``keys[key_lo[i] + e]`` for ``e`` in
 ``[0, visible[i])`` (its request's compressed indexer keys, request after request in ``keys``):
@@ -21,9 +22,9 @@ picks      [s, width]   int64
 ========== ============ ==================================================================
 
 Backends (chosen by ``dsv4batch.kernels.indexer_topk``): ``"torch"``, :func:`indexer_topk_torch`
-below, **the definition**: per block of queries one GEMM over the block's keys, masks, one
+below: per block of queries one GEMM over the block's keys, masks, one
 top-k; ``"cpu"``, ``csrc/indexer.cpp``: one query at a time over its own keys, the head sum in
-registers and a running top-k, equal to the definition up to fp32 rounding of the scores (so a
+registers and a running top-k, equal to the torch path up to fp32 rounding of the scores (so a
 near-tie can pick differently). Both are batch-invariant: a query's picks depend on its own
 q, w and keys alone, never on its block- or batch-mates.
 """
@@ -37,7 +38,7 @@ from .rows import MIN_ROWS, pad_rows
 
 def indexer_topk_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_lo: torch.Tensor,
                        visible: torch.Tensor, width: int, blocks) -> torch.Tensor:
-    """The definition (module docstring). blocks [(a, b, k_lo, k_hi)]: query rows [a, b) whose
+    """The torch backend (contract: the module docstring). blocks [(a, b, k_lo, k_hi)]: query rows [a, b) whose
     requests' keys are keys[k_lo:k_hi] (`ChunkLayout.query_slices`: sized to bound the [h, b - a,
     k_hi - k_lo] scores). Valid picks first, sorted by score, min(width, visible) of them.
 

@@ -3,9 +3,10 @@
 Everything that multiplies by a stored quantized weight calls :func:`quant_linear`, which runs
 
 * ``"reference"``: :func:`dsv4batch.kernels.quant_reference.quant_linear_reference`, pure torch,
-  CPU or CUDA. **That function is the definition of the contract below**: it dequantizes one
-  block row (128 output rows) of the weight at a time into x's dtype and multiplies it, so the
-  dense weight never exists whole; with fp32 x the result equals ``F.linear(x, W)`` on the
+  CPU or CUDA (the definition of the contract below is
+  :func:`dsv4batch.kernels.ref.quant_linear_ref`: the whole weight dequantized, one fp64 matmul).
+  It dequantizes one block row (128 output rows) of the weight at a time into x's dtype and
+  multiplies it, so the dense weight never exists whole; with fp32 x the result equals ``F.linear(x, W)`` on the
   weight dequantized at load (``weights="compute"``) up to fp32 GEMM blocking (about 1e-7
   relative); or
 * ``"cuda"``: :func:`dsv4batch.kernels.quant_cuda.quant_linear_cuda`, torch's block-scaled FP8
@@ -20,8 +21,8 @@ Everything that multiplies by a stored quantized weight calls :func:`quant_linea
 
 Backend choice: ``backend="auto"`` takes ``"cuda"`` when the call fits it and a one-time probe on
 that device agreed with the reference, else ``"triton"`` on the same terms (CUDA only), else
-``"reference"``; the environment variable ``DSV4BATCH_QUANT_BACKEND``
-(``auto``/``reference``/``cuda``/``triton``) replaces ``"auto"`` when set. Forcing ``"cuda"`` or
+``"reference"``; ``"auto"`` first takes the active :class:`~dsv4batch.kernels.config.KernelConfig`'s
+``quant`` (``auto``/``reference``/``cuda``/``triton``; set by bench and tests). Forcing ``"cuda"`` or
 ``"triton"`` where it cannot run raises ``RuntimeError`` with the reason.
 
 ========== ============================ ====================================================
@@ -46,12 +47,11 @@ import torch
 
 from . import quant_cuda as _cuda
 from . import triton as _triton
-from .env import env_choice
+from .config import current
 from .quant_reference import check_quant_shapes, in_features_of, quant_linear_reference
 
-__all__ = ["quant_linear", "quant_backends", "ENV_QUANT_BACKEND"]
+__all__ = ["quant_linear", "quant_backends"]
 
-ENV_QUANT_BACKEND = "DSV4BATCH_QUANT_BACKEND"
 _BACKENDS = ("auto", "reference", "cuda", "triton")
 _PROBED: dict[torch.device, str | None] = {}  # device -> why the cuda backend failed its probe
 
@@ -75,10 +75,10 @@ def _probe(device: torch.device) -> str | None:
 
 
 def requested_backend(backend: str) -> str:
-    """`backend`, where "auto" yields to `DSV4BATCH_QUANT_BACKEND` when that is set."""
+    """`backend`, where "auto" yields to the active `KernelConfig.quant`."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    return (env_choice(ENV_QUANT_BACKEND, _BACKENDS) if backend == "auto" else "") or backend
+    return current().quant if backend == "auto" else backend
 
 
 def _resolve(backend: str, x: torch.Tensor, qweight: torch.Tensor, fmt: str) -> str:
@@ -113,7 +113,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, fm
                  backend: str = "auto") -> torch.Tensor:
     """``x [n, in] @ W.T -> [n, out]`` (x.dtype) with W = the dense weight ``qweight``/``scale``
     store in ``fmt``. Shapes, dtypes and edge cases: see the module docstring; the definition is
-    :func:`dsv4batch.kernels.quant_reference.quant_linear_reference`."""
+    :func:`dsv4batch.kernels.ref.quant_linear_ref`."""
     check_quant_shapes(qweight, scale, fmt)
     if x.dim() != 2 or x.shape[1] != in_features_of(qweight, fmt):
         raise ValueError(f"x must be [n, {in_features_of(qweight, fmt)}], got {tuple(x.shape)}")

@@ -1,4 +1,5 @@
-"""Reference backend of :func:`dsv4batch.kernels.quant_linear`; this code *is* the definition.
+"""Reference backend of :func:`dsv4batch.kernels.quant_linear` (the definition it is tested against:
+``ref.quant_linear_ref``), and the weight formats.
 
 The two native DeepSeek-V4 weight formats (``fmt``), for a logical weight ``w [out, in]``:
 

@@ -5,7 +5,7 @@ instruction set").
 ========== ============================ ==================================================
 kernel     C++ (``csrc/``)              its torch path
 ========== ============================ ==================================================
-sparse_mla ``sparse_mla.cpp``           ``reference.sparse_mla_prefill_torch``
+sparse_mla ``sparse_mla.cpp``           ``sparse_mla_torch.sparse_mla_prefill_torch``
 indexer    ``indexer.cpp``              ``indexer.indexer_topk_torch``
 head       ``head.cpp``                 ``model/head.py``'s oneDNN vocabulary tiles
 elementwise ``elementwise.cpp``: RoPE,  ``model/layers.py`` (one switch: the six measured
@@ -22,8 +22,8 @@ then always runs the same code, so a job's logprobs never depend on how busy the
 when it started (a last-bit difference can flip an indexer near-tie: 0.02 in a logprob).
 
 The forced choices keep working whatever this table says: ``backend="cpu"``,
-``DSV4BATCH_CPU_GEMM=fused``; ``DSV4BATCH_CPU_ELEMENTWISE=torch`` and ``backend="torch"`` turn
-kernels off.
+``KernelConfig(gemm="fused")``; ``KernelConfig(elementwise="torch")`` and ``backend="torch"`` turn
+kernels off (``config.py``).
 """
 
 from __future__ import annotations

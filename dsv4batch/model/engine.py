@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..kernels import ENV_BACKEND, attention_backend, bf16_available, requested_backend
+from ..kernels import KernelConfig, attention_backend, bf16_available, current_kernels, use_kernels
 from .attention import WorkspacePool
 from .cache import CachePool, CacheSpec
 from .config import EngineConfig
@@ -65,14 +65,25 @@ def validate(batch: Sequence[Sequence[int]], vocab: int, max_len: int) -> list[n
     return arrays
 
 
+def kernel_config(config: EngineConfig, base: KernelConfig | None = None) -> KernelConfig:
+    """The kernels an engine under `config` runs: `config.attn_backend` for attention (and the
+    indexer), the other families as `base` has them (default: the active `KernelConfig`, all
+    "auto" unless bench or a test chose otherwise with `kernels.use_kernels`)."""
+    return (base or current_kernels()).replace(attention=config.attn_backend)
+
+
 class Engine:
     """Scores token-id requests with `model` (per-token log p) under `config`.
 
     tokenizer: a `tokenizers.Tokenizer` (the checkpoint's or the packaged DSv4 one) or None; the
     engine itself only takes ids. pool: the `WorkspacePool` every chunk workspace comes from.
+    kernels: the `KernelConfig` its steps run under (`kernel_config(config)`, resolved once here,
+    and again when `config` is replaced; made the active one around every step, so no kernel call
+    reads anything else).
     """
 
     def __init__(self, model: DSv4Model, config: EngineConfig | None = None, tokenizer=None):
+        self._base_kernels = current_kernels()  # the non-attention families, as chosen when made
         self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
         self.pool = WorkspacePool()
         self._generation_pool: CachePool | None = None
@@ -80,7 +91,8 @@ class Engine:
             retain_freed_memory()
             if self.config.head_precision == "bf16" and self.head_precision == "fp32":
                 warnings.warn("head_precision='bf16': this CPU has no bf16 GEMM units (AVX512-BF16 or AMX) "
-                              "or DSV4BATCH_CPU_GEMM=blas; the head computes in fp32", RuntimeWarning, stacklevel=2)
+                              "or KernelConfig.gemm is 'blas'; the head computes in fp32", RuntimeWarning,
+                              stacklevel=2)
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device="cpu", dtype=torch.float32,
@@ -104,6 +116,14 @@ class Engine:
         return cls(model, config, tok)
 
     @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        self._config, self.kernels = config, kernel_config(config, self._base_kernels)
+
+    @property
     def device(self):
         return self.model.device
 
@@ -116,23 +136,21 @@ class Engine:
         dtype = self.model.head.weight.dtype
         if dtype != torch.float32:
             return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).removeprefix("torch."))
-        is_bf16 = self.config.head_precision == "bf16" and self.device.type == "cpu" and bf16_available()
+        with use_kernels(self.kernels):
+            is_bf16 = self.config.head_precision == "bf16" and self.device.type == "cpu" and bf16_available()
         return "bf16" if is_bf16 else "fp32"
 
     @property
     def attn_kernel(self) -> str:
         """The sparse attention kernel this engine's steps run: "cpu", "torch", "flashmla" or "triton"
-        (`config.attn_backend` or `DSV4BATCH_ATTN_BACKEND` resolved for the model's device, dtype
-        and head dim); "<name> (unavailable)" for a forced one that cannot run here, or a note that
-        the variable is invalid (every step then raises, and the pipeline's fault handling
-        answers those rows with the error)."""
+        (`kernels.attention`, i.e. `config.attn_backend`, resolved for the model's device, dtype and
+        head dim); "<name> (unavailable)" for a forced one that cannot run here (every step then
+        raises, and the pipeline's fault handling answers those rows with the error)."""
+        asked = self.kernels.attention
         try:
-            asked = requested_backend(self.config.attn_backend)
             return attention_backend(asked, self.device, self.model.head.weight.dtype, self.model.config.head_dim)
         except RuntimeError:  # forced and unusable: reported, not raised (an actor must still start)
             return f"{asked} (unavailable)"
-        except ValueError:  # DSV4BATCH_ATTN_BACKEND names no backend: the steps raise it
-            return f"invalid {ENV_BACKEND}"
 
     def validate(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Requests as int64 arrays; `ValueError` naming the first empty, out-of-vocab or too long one."""
@@ -194,6 +212,11 @@ class Engine:
     def _run(self, batch, head) -> tuple[list[tuple], StepStats]:
         """The step loop; `head(hidden [n, hidden], targets [n])` -> tensors with n rows first,
         returned per request as numpy arrays of its positions."""
+        with use_kernels(self.kernels):
+            return self._steps(batch, head)
+
+    def _steps(self, batch, head) -> tuple[list[tuple], StepStats]:
+        """`_run`'s loop, under the engine's kernels."""
         arrays = self.validate(batch)
         stats = StepStats(model_calls=1)
         t0 = time.perf_counter()
@@ -222,7 +245,7 @@ class Engine:
             ctx = StepContext(segs, ratios=model.ratios, window=window, config=self.config, ropes=model.ropes,
                               pool=self.pool, stats=stats, device=device, plans=plan, cache=cache,
                               is_in_place=is_in_place)
-            hidden = model.hidden_step(ctx, self.config.attn_backend)
+            hidden = model.hidden_step(ctx, self.kernels.attention)
             targets = torch.from_numpy(np.concatenate([st.ids[s + 1:e + 1] for st, s, e in segs])).to(device)
             parts = [p.cpu().numpy() for p in head(hidden, targets)]
             for b, (st, s, e) in enumerate(segs):  # a request's steps come in position order
@@ -274,7 +297,8 @@ class Engine:
         validate_generation(arrays, list(params), self.model.config.vocab_size, self.config.max_model_len)
         if not arrays:
             return [], StepStats(model_calls=1)
-        return run_generation(self, arrays, list(params), on_step)
+        with use_kernels(self.kernels):
+            return run_generation(self, arrays, list(params), on_step)
 
     def generation_pool(self) -> CachePool:
         """The cache pool of `generate` (allocated once, at the first call): `config.max_cache_mib`
@@ -300,7 +324,8 @@ class Engine:
         ctx = StepContext(segs, decodes=decodes, ratios=model.ratios, window=model.config.sliding_window,
                           config=self.config, ropes=model.ropes, pool=self.pool, stats=stats, device=self.device,
                           cache=cache, is_in_place=self.attn_kernel in IN_PLACE_KERNELS)
-        return model.hidden_step(ctx, self.config.attn_backend)
+        with use_kernels(self.kernels):
+            return model.hidden_step(ctx, self.kernels.attention)
 
     def score_tokens(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """`score(batch)`'s outputs alone."""

@@ -3,7 +3,7 @@
 `fused_scores` is the head `Engine.score` and `score_details` use on the CPU in fp32: the C++
 kernel `kernels.head_stats` (logits kept in registers, never written) over `PackedHead.panels`,
 with the same plain sum of 2 ** z and exact redo as below; a row's logprob and greedy flag.
-Elsewhere (bf16 head, CUDA, `DSV4BATCH_CPU_GEMM=onednn|blas`, vocabulary-parallel ranks, top-K)
+Elsewhere (bf16 head, CUDA, `KernelConfig.gemm` onednn or blas, vocabulary-parallel ranks, top-K)
 the tiles below run. `tiled_logprobs` is the tiled head; `tiled_details` walks the vocabulary with
 its own parts (`vocab_tiles`, `OnlineLogSumExp`: its logprobs are bit-identical to `score`'s) and also keeps, per row,
 the running top-K (value, id) pairs; the row max says whether the target is the argmax.
@@ -214,7 +214,7 @@ class PackedHead:
     (another tensor, an in-place write, another tile, GEMM or precision), kept while the model
     is: `panels`, the fused head's (`kernels.pack_head`), and `tiles`, the `vocab_tiles` tiles in
     oneDNN's layout (`kernels.pack_weight`; None where the head's GEMM is not oneDNN's: other
-    dtypes, CUDA, `DSV4BATCH_CPU_GEMM=blas`). Each is a second copy of the weight; the tiles are
+    dtypes, CUDA, `KernelConfig.gemm` blas). Each is a second copy of the weight; the tiles are
     built only where the tiled head runs (top-K, bf16, vocabulary-parallel ranks, onednn).
     Never pickled or copied: a copy starts empty."""
 
@@ -226,15 +226,16 @@ class PackedHead:
         """weight [vocab, hidden] -> `kernels.pack_head` panels for `fused_scores` (kept, rebuilt
         when the weight changes), or None where the tiles run instead: a bf16 head that runs
         (`precision` "bf16" with bf16 units), a weight `kernels.head_supported` refuses, or
-        `DSV4BATCH_CPU_GEMM=onednn|blas`; RuntimeError when it is "fused" and the kernel cannot run."""
-        from ..kernels.dense import ENV_CPU_GEMM, cpu_gemm
+        the active `KernelConfig.gemm` onednn or blas; RuntimeError when it is "fused" and the kernel
+        cannot run."""
+        from ..kernels.dense import cpu_gemm
 
         choice = cpu_gemm()
         if choice in ("onednn", "blas") or (precision == "bf16" and bf16_available()):
             return None
         if not head_supported(weight) or (choice == "auto" and not chosen("head")):
             if choice == "fused":
-                raise RuntimeError(f"{ENV_CPU_GEMM}=fused, but the fused head cannot run this weight "
+                raise RuntimeError("KernelConfig.gemm='fused', but the fused head cannot run this weight "
                                    f"({weight.dtype} on {weight.device}) or its kernel is not built")
             return None
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)

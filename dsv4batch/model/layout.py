@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.reference import QUERY_BLOCK
+from ..kernels.sparse_mla_torch import QUERY_BLOCK
 
 
 def ranges(starts, lengths) -> np.ndarray:

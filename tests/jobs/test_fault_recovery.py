@@ -124,11 +124,10 @@ def test_resume_refuses_another_configuration(tmp_path, capsys):
 
 
 BROKEN_DRIVER = """import sys, ray
-# every forward raises: the FlashMLA backend forced where it cannot run (no CUDA here)
-ray.init(address=sys.argv[1], logging_level="WARNING",
-         runtime_env={"env_vars": {"DSV4BATCH_ATTN_BACKEND": "flashmla"}})
+ray.init(address=sys.argv[1], logging_level="WARNING")
 from dsv4batch.jobs.score import main
-sys.exit(main(sys.argv[2:]))
+# every forward raises: the FlashMLA backend forced where it cannot run (no CUDA here)
+sys.exit(main(sys.argv[2:] + ["--attn-backend", "flashmla"]))
 """
 
 

@@ -1,17 +1,17 @@
 """`kernels.dense_linear`: x @ weight.T through oneDNN or BLAS, the same maths and the same
-batch-invariance either way, and the `DSV4BATCH_CPU_GEMM` switch."""
+batch-invariance either way, and the `KernelConfig.gemm` switch."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dsv4batch.kernels import dense
-from dsv4batch.kernels.dense import ENV_CPU_GEMM, bf16_linear, dense_linear, onednn_available, pack_weight
+from dsv4batch.kernels.dense import bf16_linear, dense_linear, onednn_available, pack_weight
 
 
 @pytest.fixture(params=["auto", "blas"])
-def gemm(request, monkeypatch):
-    monkeypatch.setenv(ENV_CPU_GEMM, request.param)
+def gemm(request, kernels):
+    kernels(gemm=request.param)
     return request.param
 
 
@@ -36,12 +36,12 @@ def test_a_rows_bits_do_not_depend_on_its_place_at_a_fixed_shape(gemm):
             assert torch.equal(dense_linear(x.roll(shift, 0), w).roll(-shift, 0), ref), (rows, k, n, shift)
 
 
-def test_blas_is_f_linear_and_other_dtypes_or_grads_take_it(monkeypatch):
+def test_blas_is_f_linear_and_other_dtypes_or_grads_take_it(kernels):
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(20, 33, generator=gen), torch.randn(40, 33, generator=gen)
-    monkeypatch.setenv(ENV_CPU_GEMM, "blas")
+    kernels(gemm="blas")
     assert torch.equal(dense_linear(x, w), F.linear(x, w))
-    monkeypatch.setenv(ENV_CPU_GEMM, "auto")
+    kernels(gemm="auto")
     xb, wb = x.bfloat16(), w.bfloat16()
     assert torch.equal(dense_linear(xb, wb), F.linear(xb, wb))
     wg = w.clone().requires_grad_()
@@ -50,16 +50,15 @@ def test_blas_is_f_linear_and_other_dtypes_or_grads_take_it(monkeypatch):
     torch.testing.assert_close(wg.grad, x.sum(0).expand(40, 33))
 
 
-def test_the_switch_rejects_unknown_values_and_a_forced_onednn_that_cannot_run(monkeypatch):
+def test_the_switch_rejects_unknown_values_and_a_forced_onednn_that_cannot_run(monkeypatch, kernels):
     x, w = torch.ones(4, 8), torch.ones(3, 8)
-    monkeypatch.setenv(ENV_CPU_GEMM, "cublas")
-    with pytest.raises(ValueError, match=ENV_CPU_GEMM):
-        dense_linear(x, w)
-    monkeypatch.setenv(ENV_CPU_GEMM, "onednn")
+    with pytest.raises(ValueError, match="KernelConfig.gemm"):
+        kernels(gemm="cublas")
+    kernels(gemm="onednn")
     monkeypatch.setattr(dense, "_onednn_ok", False)
     with pytest.raises(RuntimeError, match="oneDNN"):
         dense_linear(x, w)
-    monkeypatch.setenv(ENV_CPU_GEMM, "auto")  # auto falls back to BLAS instead
+    kernels(gemm="auto")  # auto falls back to BLAS instead
     assert torch.equal(dense_linear(x, w), torch.full((4, 3), 8.0))
 
 
@@ -68,7 +67,7 @@ def test_onednn_runs_on_this_build():
     assert onednn_available()
 
 
-def test_a_packed_weight_gives_the_plain_weights_bits_and_is_ignored_off_onednn(monkeypatch):
+def test_a_packed_weight_gives_the_plain_weights_bits_and_is_ignored_off_onednn(kernels):
     from dsv4batch.kernels import pack_weight
 
     gen = torch.Generator().manual_seed(3)
@@ -78,15 +77,15 @@ def test_a_packed_weight_gives_the_plain_weights_bits_and_is_ignored_off_onednn(
         assert packed is not None and packed.shape == w.shape
         assert torch.equal(dense_linear(x, w, packed), dense_linear(x, w)), (rows, k, n)
         assert torch.equal(dense_linear(x[:7], w, packed), dense_linear(x[:7], w))  # another row count
-    monkeypatch.setenv(ENV_CPU_GEMM, "blas")
+    kernels(gemm="blas")
     assert pack_weight(w, 40) is None
     assert torch.equal(dense_linear(x, w, packed), F.linear(x, w))  # BLAS multiplies by the weight itself
-    monkeypatch.setenv(ENV_CPU_GEMM, "auto")
+    kernels(gemm="auto")
     assert pack_weight(w.bfloat16(), 40) is None
     assert pack_weight(w.clone().requires_grad_(), 40) is None  # grad mode: F.linear's autograd
 
 
-def test_bf16_products_stay_near_fp32_and_keep_a_rows_bits(monkeypatch):
+def test_bf16_products_stay_near_fp32_and_keep_a_rows_bits(kernels):
     gen = torch.Generator().manual_seed(4)
     x, w = torch.randn(512, 256, generator=gen), torch.randn(2048, 256, generator=gen) * 0.05
     if not dense.bf16_available():
@@ -104,5 +103,5 @@ def test_bf16_products_stay_near_fp32_and_keep_a_rows_bits(monkeypatch):
     for shift in (1, 255):
         assert torch.equal(bf16_linear(xb.roll(shift, 0), packed).roll(-shift, 0), got)
     assert pack_weight(w.clone().requires_grad_(), 512, is_bf16=True) is None
-    monkeypatch.setenv(ENV_CPU_GEMM, "blas")  # a forced BLAS is fp32 only
+    kernels(gemm="blas")  # a forced BLAS is fp32 only
     assert not dense.bf16_available() and pack_weight(w, 512, is_bf16=True) is None

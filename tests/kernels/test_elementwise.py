@@ -95,11 +95,10 @@ def test_rms_norm_and_swiglu_equal_the_torch_paths(torch_paths):
     assert got[0, 0].isnan() and got[1, 0].isnan()
 
 
-def test_the_switch_keeps_the_torch_paths(monkeypatch):
+def test_the_switch_keeps_the_torch_paths(kernels):
     x = torch.randn(8, 4, 16)
     assert ew_mod.elementwise_supported(x)
-    monkeypatch.setenv(ew_mod.ENV_ELEMENTWISE, "torch")
+    kernels(elementwise="torch")
     assert not ew_mod.elementwise_supported(x)
-    monkeypatch.setenv(ew_mod.ENV_ELEMENTWISE, "fast")
-    with pytest.raises(ValueError, match="DSV4BATCH_CPU_ELEMENTWISE"):
-        ew_mod.elementwise_supported(x)
+    with pytest.raises(ValueError, match="KernelConfig.elementwise"):
+        kernels(elementwise="fast")

@@ -1,19 +1,20 @@
-"""The Lightning Indexer's top-k (`dsv4batch.kernels.indexer_topk`): the cpu kernel against the
-torch definition, ties, edges, batch invariance and the backend rule."""
+"""The Lightning Indexer's top-k (`dsv4batch.kernels.indexer_topk`): both backends against the
+definition (`kernels/ref.py`), the cpu kernel against the torch path, ties, edges, batch
+invariance and the backend rule."""
 
 import pytest
 import torch
 
 from dsv4batch.kernels import cpu as cpu_mod
-from dsv4batch.kernels import indexer_topk
+from dsv4batch.kernels import indexer_topk, use_kernels
 from dsv4batch.kernels.indexer import indexer_topk_torch, tie_free_keys
+from dsv4batch.kernels.ref import indexer_topk_ref
 from dsv4batch.kernels.select import chosen
 from tests.kernels.isas import fail_build, isa  # noqa: F401 - isa: the fixture the tests below use
 
 
 @pytest.fixture(autouse=True)
-def built(monkeypatch):
-    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
+def built():
     assert cpu_mod.available(), cpu_mod.build_error()  # CI has a compiler: a failed build fails
 
 
@@ -37,6 +38,23 @@ def make_case(lengths, h, d, seed, starts=None):
 
 def scores_of(q, w, keys, lo, n):
     return (w[:, None] * (q @ keys[lo:lo + n].t()).relu()).sum(0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("h,d,width", [(8, 32, 16), (5, 20, 7)])
+def test_backends_pick_what_the_definition_picks(backend, h, d, width):
+    """Each backend's first min(width, visible) picks: the definition's (fp64 scores, ties to the
+    lower id) wherever fp32 rounding leaves no near-tie, else picks of the same scores."""
+    q, w, keys, key_lo, visible, blocks = make_case([70, 7, 0, 90], h, d, seed=h + d)
+    got = indexer_topk(q, w, keys, key_lo, visible, width, blocks, backend=backend)
+    for i, want in enumerate(indexer_topk_ref(q, w, keys, key_lo, visible, width)):
+        n, picks = int(visible[i]), got[i, :len(want)]
+        s = scores_of(q[i].double(), w[i].double(), keys.double(), int(key_lo[i]), n)
+        torch.testing.assert_close(s[picks], s[want], rtol=1e-5, atol=1e-6)
+        top = s.sort(descending=True).values
+        k = len(want)
+        if k and (k == n or (top[:k].diff().abs().min() if k > 1 else 1) > 1e-4 and top[k - 1] - top[k] > 1e-4):
+            assert torch.equal(picks, want), i
 
 
 @pytest.mark.parametrize("h,d,width", [(8, 32, 16), (8, 64, 64), (5, 20, 7), (12, 16, 40)])
@@ -119,18 +137,17 @@ def test_empty_inputs_bounds_and_the_backend_rule(monkeypatch):
     assert indexer_topk(q, w, keys, key_lo, visible, 0, blocks, backend="cpu").shape == (q.shape[0], 0)
     with pytest.raises(ValueError, match="outside keys"):
         indexer_topk(q, w, keys[:10], key_lo, visible, 8, blocks, backend="cpu")
-    # auto takes the kernel where this ISA's table chooses it; "torch" and DSV4BATCH_ATTN_BACKEND=torch
-    # the definition
+    # auto takes the kernel where this ISA's table chooses it; "torch" and KernelConfig(attention="torch")
+    # the torch path
     calls = []
     real = cpu_mod.indexer_topk_cpu
     monkeypatch.setattr(cpu_mod, "indexer_topk_cpu", lambda *a: calls.append("cpu") or real(*a))
     indexer_topk(q, w, keys, key_lo, visible, 8, blocks)
     indexer_topk(q, w, keys, key_lo, visible, 8, blocks, backend="torch")
-    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "torch")
-    indexer_topk(q, w, keys, key_lo, visible, 8, blocks)
+    with use_kernels(attention="torch"):
+        indexer_topk(q, w, keys, key_lo, visible, 8, blocks)
     assert calls == (["cpu"] if chosen("indexer") else [])
-    # no compiler: auto runs the definition (the same bits), a forced "cpu" says why
-    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND")
+    # no compiler: auto runs the torch path (the same bits), a forced "cpu" says why
     fail_build(monkeypatch)
     ref = indexer_topk_torch(q, w, keys, key_lo, visible, 8, blocks)
     assert torch.equal(indexer_topk(q, w, keys, key_lo, visible, 8, blocks), ref)

@@ -1,8 +1,9 @@
-"""dsv4batch.kernels.sparse_mla_prefill against an independent dense reference.
+"""dsv4batch.kernels.sparse_mla_prefill, every backend, against the definition.
 
-The dense reference below shares no code with the backends: it builds a [s_q, s_kv] boolean
-mask from indices (FlashMLA validity rules), runs a full float64 softmax over all kv rows with the
-sink as an extra column in the denominator, and special-cases lonely queries.
+The definition, `dsv4batch.kernels.ref.sparse_mla_prefill_ref`, shares no code with the backends:
+it builds a [s_q, s_kv] boolean mask from indices (FlashMLA validity rules), runs a full float64
+softmax over all kv rows with the sink as an extra column in the denominator, and special-cases
+lonely queries.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import math
 import pytest
 import torch
 
-from dsv4batch.kernels import available_backends, sparse_mla_prefill
+from dsv4batch.kernels import KernelConfig, available_backends, sparse_mla_prefill, use_kernels
 from dsv4batch.kernels import cpu as cpu_mod
 from dsv4batch.kernels import flashmla as flashmla_mod
-from dsv4batch.kernels.reference import sparse_mla_prefill_torch
+from dsv4batch.kernels.ref import sparse_mla_prefill_ref
+from dsv4batch.kernels.sparse_mla_torch import sparse_mla_prefill_torch
 from dsv4batch.kernels.select import chosen
 from tests.kernels.isas import RUNNABLE, fail_build
 
@@ -45,33 +47,6 @@ def make_case(s_q, h_q, d_qk, s_kv, topk, *, seed=0, dtype=torch.float32, p_inva
         tl = torch.randint(0, topk + 4, (s_q,), generator=g, dtype=torch.int32)
         tl[0] = topk  # at least one full row
     return q, kv, idx, tl
-
-
-def dense_reference(q, kv, indices, sm_scale, attn_sink=None, topk_length=None, d_v=None):
-    s_q, h_q, d_qk = q.shape
-    s_kv, topk = kv.shape[0], indices.shape[-1]
-    d_v = d_qk if d_v is None else d_v
-    mask = torch.zeros(s_q, s_kv, dtype=torch.bool)
-    for i in range(s_q):
-        n = topk if topk_length is None else min(int(topk_length[i]), topk)
-        for j in range(max(n, 0)):
-            t = int(indices[i, 0, j])
-            if 0 <= t < s_kv:
-                mask[i, t] = True
-    k = kv[:, 0].double()
-    k = torch.where(mask.any(0)[:, None], k, 0.0)  # rows nobody validly uses may hold NaN
-    s = torch.einsum("qhd,kd->qhk", q.double(), k) * sm_scale
-    s = torch.where(mask[:, None, :], s, -INF)
-    lonely = ~mask.any(1)  # [s_q]
-    max_logits = s.amax(-1)
-    lse = torch.logsumexp(s, -1)
-    lse[lonely] = INF
-    sink = torch.full((h_q,), -INF, dtype=torch.float64) if attn_sink is None else attn_sink.double()
-    full = torch.cat([s, sink.view(1, h_q, 1).expand(s_q, h_q, 1)], dim=-1)
-    w = torch.softmax(full, dim=-1)[..., :s_kv]  # sink column only enlarges the denominator
-    w = torch.where(lonely[:, None, None] | (sink == INF).view(1, h_q, 1), 0.0, w)
-    out = torch.einsum("qhk,kd->qhd", w, k[:, :d_v])
-    return out, max_logits.float(), lse.float()
 
 
 def check(got, want, out_tol):
@@ -108,7 +83,7 @@ def backend(request):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sink_kind", ["none", "finite", "neg_inf", "mixed"])
 @pytest.mark.parametrize("with_tl", [False, True])
-def test_matches_dense_reference(dtype, sink_kind, with_tl, backend):
+def test_matches_the_definition(dtype, sink_kind, with_tl, backend):
     s_q, h_q, d_qk, s_kv, topk = 40, 4, 32, 57, 24
     q, kv, idx, tl = make_case(s_q, h_q, d_qk, s_kv, topk, dtype=dtype, lonely_rows=(3, 17),
                                with_topk_length=with_tl, seed=hash((sink_kind, with_tl)) % 1000)
@@ -119,7 +94,7 @@ def test_matches_dense_reference(dtype, sink_kind, with_tl, backend):
     assert got[0].dtype == dtype and got[0].shape == (s_q, h_q, d_qk)
     assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
     assert got[1].shape == got[2].shape == (s_q, h_q)
-    check(got, dense_reference(q, kv, idx, 0.3, sink, tl), FP32_TOL if dtype == torch.float32 else BF16_TOL)
+    check(got, sparse_mla_prefill_ref(q, kv, idx, 0.3, sink, tl), FP32_TOL if dtype == torch.float32 else BF16_TOL)
     # lonely queries: out 0 whatever the sink, max_logits -inf, lse +inf
     for i in (3, 17):
         assert torch.equal(got[0][i], torch.zeros_like(got[0][i]))
@@ -167,7 +142,7 @@ def test_nan_rows_behind_invalid_slots_do_not_leak(backend):
     kv[poisoned] = float("nan")
     sink = torch.randn(h_q)
     got = sparse_mla_prefill(q, kv, idx, 0.25, sink, tl, backend=backend)
-    check(got, dense_reference(q, kv, idx, 0.25, sink, tl), FP32_TOL)
+    check(got, sparse_mla_prefill_ref(q, kv, idx, 0.25, sink, tl), FP32_TOL)
     assert (got[2][2] == INF).all() and not torch.isnan(got[0]).any()
 
 
@@ -176,13 +151,14 @@ def test_d_v_smaller_than_d_qk(backend):
     sink = torch.randn(4)
     got = sparse_mla_prefill(q, kv, idx, 0.2, sink, tl, d_v=16, backend=backend)
     assert got[0].shape == (25, 4, 16)
-    check(got, dense_reference(q, kv, idx, 0.2, sink, tl, d_v=16), FP32_TOL)
+    check(got, sparse_mla_prefill_ref(q, kv, idx, 0.2, sink, tl, d_v=16), FP32_TOL)
 
 
 def test_s_kv_smaller_than_topk_and_all_out_of_range_values(backend):
     q, kv, idx, tl = make_case(20, 2, 16, 9, 32, seed=13, lonely_rows=(0,))
     sink = torch.randn(2)
-    check(sparse_mla_prefill(q, kv, idx, 0.5, sink, tl, backend=backend), dense_reference(q, kv, idx, 0.5, sink, tl), FP32_TOL)
+    check(sparse_mla_prefill(q, kv, idx, 0.5, sink, tl, backend=backend),
+          sparse_mla_prefill_ref(q, kv, idx, 0.5, sink, tl), FP32_TOL)
 
 
 @pytest.mark.parametrize("slice_elems", [1, 3000, 20000])
@@ -193,7 +169,7 @@ def test_slicing_matches_single_slice(slice_elems):
     many = sparse_mla_prefill_torch(q, kv, idx, 0.3, sink, tl, slice_elems=slice_elems)
     for x, y in zip(one, many):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
-    check(many, dense_reference(q, kv, idx, 0.3, sink, tl), FP32_TOL)
+    check(many, sparse_mla_prefill_ref(q, kv, idx, 0.3, sink, tl), FP32_TOL)
 
 
 def test_empty_topk_and_empty_queries(backend):
@@ -220,10 +196,9 @@ def test_bad_shapes_raise():
         sparse_mla_prefill(q, torch.randn(5, 1, 8), idx, 1.0, attn_sink=torch.zeros(3))
 
 
-def test_backend_selection_on_cpu(monkeypatch):
+def test_backend_selection_on_cpu():
     assert "torch" in available_backends()
     q, kv, idx, tl = make_case(8, 2, 16, 20, 8, seed=3)
-    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
     ref = sparse_mla_prefill(q, kv, idx, 0.5, None, tl, backend="torch")
     fused = sparse_mla_prefill(q, kv, idx, 0.5, None, tl, backend="cpu")
     # auto on CPU -> the cpu kernel where this ISA's table chooses it (avx2, avx512), else torch
@@ -245,23 +220,22 @@ def test_backend_selection_on_cpu(monkeypatch):
         sparse_mla_prefill(q, kv, idx, 0.5, backend="flashmla")
     with pytest.raises(ValueError):
         sparse_mla_prefill(q, kv, idx, 0.5, backend="bogus")
-    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "flashmla")
-    with pytest.raises(RuntimeError, match="flashmla"):
-        sparse_mla_prefill(q, kv, idx, 0.5)
-    sparse_mla_prefill(q, kv, idx, 0.5, backend="torch")  # explicit backend beats the env var
-    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "bogus")
-    with pytest.raises(ValueError):
-        sparse_mla_prefill(q, kv, idx, 0.5)
-    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "torch")
-    assert torch.equal(sparse_mla_prefill(q, kv, idx, 0.5, None, tl)[0], ref[0])
-    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "cpu")
-    assert torch.equal(sparse_mla_prefill(q, kv, idx, 0.5, None, tl)[0], fused[0])
+    # auto takes the active KernelConfig's attention backend
+    with use_kernels(attention="flashmla"):
+        with pytest.raises(RuntimeError, match="flashmla"):
+            sparse_mla_prefill(q, kv, idx, 0.5)
+        sparse_mla_prefill(q, kv, idx, 0.5, backend="torch")  # an explicit backend beats the config
+    with pytest.raises(ValueError, match="KernelConfig.attention"):
+        KernelConfig(attention="bogus")
+    with use_kernels(attention="torch"):
+        assert torch.equal(sparse_mla_prefill(q, kv, idx, 0.5, None, tl)[0], ref[0])
+    with use_kernels(KernelConfig(attention="cpu")):
+        assert torch.equal(sparse_mla_prefill(q, kv, idx, 0.5, None, tl)[0], fused[0])
 
 
 def test_cpu_kernel_that_cannot_build_leaves_auto_on_torch(monkeypatch):
     """No compiler: auto runs the torch reference (same bits), a forced "cpu" says why."""
     q, kv, idx, tl = make_case(8, 2, 16, 20, 8, seed=3)
-    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
     fail_build(monkeypatch)
     assert available_backends() == ["torch"]
     ref = sparse_mla_prefill(q, kv, idx, 0.5, None, tl, backend="torch")
@@ -401,14 +375,14 @@ def window_case(s_q, h_q, d_qk, window, *, seed=0, num_requests=2):
 
 
 @pytest.mark.parametrize("sink_kind", ["none", "finite", "mixed"])
-def test_dense_blocks_match_dense_reference(sink_kind):
-    from dsv4batch.kernels.reference import CPU_SLICE_ELEMS, _dense_blocks
+def test_dense_blocks_match_the_definition(sink_kind):
+    from dsv4batch.kernels.sparse_mla_torch import CPU_SLICE_ELEMS, _dense_blocks
 
     q, kv, idx, tl, bounds = window_case(64, 4, 32, 24, seed=3)
     idx[5, 0, :] = -1  # a lonely query inside a dense block
     tl[5] = 0
     sink = {"none": None, "finite": torch.randn(4), "mixed": torch.tensor([-INF, 0.5, INF, 4.0])}[sink_kind]
-    want = dense_reference(q, kv, idx, 0.3, sink, tl)
+    want = sparse_mla_prefill_ref(q, kv, idx, 0.3, sink, tl)
     got = sparse_mla_prefill(q, kv, idx, 0.3, sink, tl, backend="torch", query_blocks=bounds)
     check(got, want, FP32_TOL)
     assert torch.equal(got[0][5], torch.zeros_like(got[0][5])) and got[2][5].eq(INF).all()
@@ -429,7 +403,7 @@ def test_dense_blocks_match_dense_reference(sink_kind):
 
 
 def test_runs_of_full_blocks_run_in_place_beside_a_short_last_block(monkeypatch):
-    import dsv4batch.kernels.reference as ref
+    import dsv4batch.kernels.sparse_mla_torch as ref
 
     assert ref.RUN_MIN == 4
     # runs of >= 4 consecutive full blocks (8 queries each) stay together; the rest follows its group's runs
@@ -445,7 +419,7 @@ def test_runs_of_full_blocks_run_in_place_beside_a_short_last_block(monkeypatch)
     real = ref._runs_first
     monkeypatch.setattr(ref, "_runs_first", lambda *a: seen.append(real(*a)) or seen[-1])
     got = sparse_mla_prefill(q, kv, idx, 0.3, None, tl, backend="torch", query_blocks=bounds)
-    check(got, want := dense_reference(q, kv, idx, 0.3, None, tl), FP32_TOL)
+    check(got, want := sparse_mla_prefill_ref(q, kv, idx, 0.3, None, tl), FP32_TOL)
     runs = {g for _, segments in seen for s, e, g in segments if e - s >= 4}
     assert any(e - s == 1 and g in runs for _, segments in seen for s, e, g in segments)
     for x, y in zip(got, sparse_mla_prefill(q, kv, idx, 0.3, None, tl, backend="torch")):
@@ -470,11 +444,11 @@ def csa_case(s_q, h_q, d_qk, window, topk, s_comp, *, seed=0):
 
 @pytest.mark.parametrize("sink_kind", ["none", "finite"])
 def test_split_blocks_share_the_window_and_gather_the_rest(sink_kind, monkeypatch):
-    import dsv4batch.kernels.reference as ref
+    import dsv4batch.kernels.sparse_mla_torch as ref
 
     q, kv, idx, bounds = csa_case(96, 4, 32, 40, 12, 500, seed=5)
     sink = None if sink_kind == "none" else torch.randn(4)
-    want = dense_reference(q, kv, idx, 0.25, sink)
+    want = sparse_mla_prefill_ref(q, kv, idx, 0.25, sink)
     taken = []
     real = ref._dense_blocks
     monkeypatch.setattr(ref, "_dense_blocks", lambda *a: taken.append(real(*a)) or taken[-1])
@@ -489,7 +463,7 @@ def test_split_blocks_share_the_window_and_gather_the_rest(sink_kind, monkeypatc
 
 def test_wide_blocks_fall_back_and_bad_blocks_are_refused():
     q, kv, idx, tl = make_case(40, 2, 16, 300, 24, seed=21)  # random slots: unions too wide
-    want = dense_reference(q, kv, idx, 0.5, None, tl)
+    want = sparse_mla_prefill_ref(q, kv, idx, 0.5, None, tl)
     check(sparse_mla_prefill(q, kv, idx, 0.5, None, tl, backend="torch", query_blocks=[0, 7, 40]), want, FP32_TOL)
     for bad in ([0, 20], [1, 40], [0, 20, 20, 40]):  # the hint is the torch backend's: it checks it
         with pytest.raises(ValueError, match="query_blocks"):

@@ -4,9 +4,10 @@ Without CUDA they run under Triton's interpreter on the CPU: `TRITON_INTERPRET=1
 before triton itself is imported (its own `triton.language` functions are @triton.jit too), and
 other test modules import it (transformers' models do), so `tests/conftest.py` sets it for the
 session; the line below covers running this file on its own. With CUDA the same tests run
-compiled on the GPU (the `device` fixture's "cuda" case, marked `gpu`). References: `dense_reference` (float64, independent of every backend) and the torch
-backend for attention; `quant_linear_reference` / a dense GEMM on the dequantized weight for the
-linears (bit for bit where the data make every sum exact, so the comparison is order-free).
+compiled on the GPU (the `device` fixture's "cuda" case, marked `gpu`). References: the
+definitions of `dsv4batch/kernels/ref.py` (float64, independent of every backend) and the torch
+backend for attention; `ref.quant_linear_ref`, `quant_linear_reference` / a dense GEMM on the
+dequantized weight for the linears (bit for bit where the data make every sum exact, so the comparison is order-free).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from dsv4batch.kernels import quant_linear, sparse_mla_prefill  # noqa: E402
 from dsv4batch.kernels import triton as ktriton  # noqa: E402
 from dsv4batch.kernels.quant_cuda import act_quant  # noqa: E402
 from dsv4batch.kernels.quant_reference import dequantize_rows, quant_linear_reference  # noqa: E402
-from dsv4batch.kernels.reference import sparse_mla_prefill_torch  # noqa: E402
-from tests.kernels.test_sparse_mla import BF16_TOL, dense_reference, make_case  # noqa: E402
+from dsv4batch.kernels.ref import dequantize_ref, quant_linear_ref, sparse_mla_prefill_ref  # noqa: E402
+from dsv4batch.kernels.sparse_mla_torch import sparse_mla_prefill_torch  # noqa: E402
+from tests.kernels.test_sparse_mla import BF16_TOL, make_case  # noqa: E402
 
 if ktriton.triton_module is None:
     pytest.skip(f"triton is not installed ({ktriton.IMPORT_ERROR})", allow_module_level=True)
@@ -71,7 +73,7 @@ SINKS = {"none": None, "mixed": torch.tensor([-INF, 0.5, INF, 4.0, -1.0])}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sink_kind", ["none", "mixed"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_matches_dense_reference(device, dtype, sink_kind, splits):
+def test_matches_the_definition(device, dtype, sink_kind, splits):
     """5 heads (not a power of two), top-k 40 over 16-slot blocks (not a multiple), every invalid
     index kind, topk_length 0..topk+3, two lonely queries, sinks -inf / finite / +inf; unsplit and
     split-k (3 splits, merged)."""
@@ -80,7 +82,8 @@ def test_matches_dense_reference(device, dtype, sink_kind, splits):
     sink = SINKS[sink_kind]
     got = run_attention(device, q, kv, idx, 0.3, sink, tl, splits=splits, config=attn.Config(16, 16))
     assert got[0].dtype == dtype and got[0].shape == (8, 5, 64)
-    check_attention(got, dense_reference(q, kv, idx, 0.3, sink, tl), FP32_TOL if dtype == torch.float32 else BF16_TOL)
+    check_attention(got, sparse_mla_prefill_ref(q, kv, idx, 0.3, sink, tl),
+                    FP32_TOL if dtype == torch.float32 else BF16_TOL)
     for i in (3, 5, 7):  # lonely: out 0 (any sink), max_logits -inf, lse +inf
         assert not got[0][i].any() and (got[1][i] == -INF).all() and (got[2][i] == INF).all()
     if sink is not None:  # sink +inf (head 2): out 0; -inf (head 0): no sink at all
@@ -120,7 +123,7 @@ def test_nan_rows_behind_invalid_slots_never_leak(device):
     bad[poisoned] = float("nan")
     bad[poisoned[0]] = INF
     sink = torch.randn(4)
-    want = dense_reference(q, kv, idx, 0.4, sink, tl)  # the clean kv: poisoned rows are never read
+    want = sparse_mla_prefill_ref(q, kv, idx, 0.4, sink, tl)  # the clean kv: poisoned rows are never read
     for splits in (1, 2):
         check_attention(run_attention(device, q, bad, idx, 0.4, sink, tl, splits=splits, config=attn.Config(16, 16)),
                         want, FP32_TOL)
@@ -145,7 +148,7 @@ def test_d_v_below_d_qk_and_wide_index_dtypes(device):
     sink = torch.tensor([0.3, -0.7])
     got = run_attention(device, q, kv, wide, 0.5, sink, tl, d_v=48)
     assert got[0].shape == (5, 2, 48)
-    check_attention(got, dense_reference(q, kv, wide, 0.5, sink, tl, d_v=48), FP32_TOL)
+    check_attention(got, sparse_mla_prefill_ref(q, kv, wide, 0.5, sink, tl, d_v=48), FP32_TOL)
 
 
 # ------------------------------------------------------------------------------------------- linears
@@ -176,7 +179,9 @@ def exact_x(rows, inp):
 
 
 def dense(q, scale, fmt):
-    return dequantize_rows(q, scale, fmt, 0, q.shape[0])  # fp32, the reference's own dequantization
+    want = dequantize_ref(q, scale, fmt)  # fp32, the definition's dequantization
+    assert torch.equal(want, dequantize_rows(q, scale, fmt, 0, q.shape[0]))  # the reference backend's too
+    return want
 
 
 LINEARS = [("fp8", "dequant", 200, 300), ("fp8", "fp8", 200, 300), ("fp4", "dequant", 130, 96)]
@@ -200,12 +205,13 @@ def test_linears_bit_for_bit_on_exact_data(device, fmt, path, out, inp, dtype, r
 
 @pytest.mark.parametrize("fmt,inp", [("fp8", 300), ("fp4", 96)])
 def test_dequant_path_matches_the_reference(device, fmt, inp):
-    """Random data: the reference's result up to fp32 summation order (bf16: its rounding)."""
+    """Random data: the definition's (and the reference backend's) result up to fp32 summation
+    order (bf16: the reference backend's rounding)."""
     q, scale = exact_weight(fmt, 150, inp)
     x = torch.randn(20, inp, generator=GEN)
     got = quant.quant_linear_triton(*to(device, x, q, scale), fmt, path="dequant").cpu()
-    want = quant_linear_reference(x, q, scale, fmt)
-    torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=1e-5)
+    for want in (quant_linear_ref(x, q, scale, fmt), quant_linear_reference(x, q, scale, fmt)):
+        torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=1e-5)
     got = quant.quant_linear_triton(*to(device, x.bfloat16(), q, scale), fmt, path="dequant").cpu()
     torch.testing.assert_close(got.float(), quant_linear_reference(x.bfloat16(), q, scale, fmt).float(), **BF16_TOL)
     empty = quant.quant_linear_triton(*to(device, x[:0], q, scale), fmt)
@@ -231,9 +237,8 @@ def test_fp8_path_is_the_reference_on_quantized_activations(device):
 def test_attention_backend_choice(monkeypatch):
     """Forced "triton" runs the kernel (the interpreter on CPU tensors); "auto" never takes the
     interpreter; forcing it where it cannot run raises with the reason."""
-    from dsv4batch.kernels import attention_backend
+    from dsv4batch.kernels import attention_backend, use_kernels
 
-    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
     q, kv, idx, tl = make_case(4, 2, 32, 20, 16, seed=1)
     direct = attn.sparse_mla_triton(q, kv, idx, 0.5, None, tl)
     if attn.INTERPRET:
@@ -241,9 +246,8 @@ def test_attention_backend_choice(monkeypatch):
             assert torch.equal(a, b)
         assert attention_backend("auto", "cpu", torch.float32, 32) != "triton"
         assert attention_backend("triton", "cpu", torch.float32, 32) == "triton"
-        monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "triton")
-        assert torch.equal(sparse_mla_prefill(q, kv, idx, 0.5, None, tl)[0], direct[0])
-        monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND")
+        with use_kernels(attention="triton"):
+            assert torch.equal(sparse_mla_prefill(q, kv, idx, 0.5, None, tl)[0], direct[0])
     with pytest.raises(RuntimeError, match="triton backend requested but unavailable: q dtype torch.float64"):
         sparse_mla_prefill(q.double(), kv.double(), idx, 0.5, backend="triton")
     with pytest.raises(RuntimeError, match="head dims up to 512"):
@@ -259,9 +263,8 @@ def test_attention_backend_choice(monkeypatch):
 
 
 def test_quant_backend_choice(monkeypatch):
-    from dsv4batch.kernels import quant_backends
+    from dsv4batch.kernels import quant_backends, use_kernels
 
-    monkeypatch.delenv("DSV4BATCH_QUANT_BACKEND", raising=False)
     q, scale = exact_weight("fp4", 64, 64)
     x = torch.randn(16, 64, generator=GEN)
     reference = quant_linear_reference(x, q, scale, "fp4")
@@ -270,9 +273,8 @@ def test_quant_backend_choice(monkeypatch):
     if attn.INTERPRET:
         direct = quant.quant_linear_triton(x, q, scale, "fp4")
         assert torch.equal(quant_linear(x, q, scale, "fp4", backend="triton"), direct)
-        monkeypatch.setenv("DSV4BATCH_QUANT_BACKEND", "triton")
-        assert torch.equal(quant_linear(x, q, scale, "fp4"), direct)
-        monkeypatch.delenv("DSV4BATCH_QUANT_BACKEND")
+        with use_kernels(quant="triton"):
+            assert torch.equal(quant_linear(x, q, scale, "fp4"), direct)
     with pytest.raises(RuntimeError, match="triton quant backend requested but unavailable: x dtype torch.float64"):
         quant_linear(x.double(), q, scale, "fp4", backend="triton")
     monkeypatch.setattr(ktriton, "interpreting", lambda: False)
@@ -322,10 +324,11 @@ def tiny_stored():
     return quantize_in_memory(load_model(TINY))
 
 
-def test_tiny_model_on_the_triton_backends_equals_torch(device, tiny_stored, monkeypatch):
+def test_tiny_model_on_the_triton_backends_equals_torch(device, tiny_stored):
     """`tiny` (all three layer types, FP8 linears, FP4 experts) with both Triton backends forced:
     scores (`Engine.score`) and greedy tokens with their logprobs (`Engine.generate`: prefill
     chunks, then decode steps over the cache pool) equal the torch path's to 1e-4."""
+    from dsv4batch.kernels import use_kernels
     from dsv4batch.model import Engine, EngineConfig
     from dsv4batch.model.sampling import SamplingParams
 
@@ -334,11 +337,11 @@ def test_tiny_model_on_the_triton_backends_equals_torch(device, tiny_stored, mon
     batch, prompts = [[0, 5, 17, 300, 4000, 12]], [[0, 77, 1000, 3]]
     params = SamplingParams(max_tokens=2, ignore_eos=True)  # a prefill step, then a decode step
     config = dict(max_num_batched_tokens=64, max_model_len=64, max_num_seqs=2)
-    monkeypatch.setenv("DSV4BATCH_QUANT_BACKEND", "reference")
-    torch_engine = Engine(model, EngineConfig(attn_backend="torch", **config))
+    with use_kernels(quant="reference"):  # an engine keeps the kernels active when it was made
+        torch_engine = Engine(model, EngineConfig(attn_backend="torch", **config))
     want, want_gen = torch_engine.score(batch)[0], torch_engine.generate(prompts, params)[0]
-    monkeypatch.setenv("DSV4BATCH_QUANT_BACKEND", "triton")
-    engine = Engine(model, EngineConfig(attn_backend="triton", **config))
+    with use_kernels(quant="triton"):
+        engine = Engine(model, EngineConfig(attn_backend="triton", **config))
     assert engine.attn_kernel == "triton"
     got, got_gen = engine.score(batch)[0], engine.generate(prompts, params)[0]
     for a, b in zip(got, want):

@@ -4,6 +4,7 @@
 import numpy as np
 import pytest
 
+from dsv4batch.kernels import KernelConfig, use_kernels
 from dsv4batch.model import TINY, Engine, EngineConfig, StepStats
 from dsv4batch.model.step import RequestState
 
@@ -58,15 +59,15 @@ def test_attn_kernel_names_the_backend_that_runs(tiny, monkeypatch):
     from dsv4batch.kernels import cpu as cpu_mod
     from dsv4batch.model.config import ATTN_BACKENDS
 
-    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND", raising=False)
-    assert tiny.attn_kernel == "cpu"
+    assert tiny.attn_kernel == "cpu" and tiny.kernels == KernelConfig()
     assert Engine(tiny.model, EngineConfig(attn_backend="torch")).attn_kernel == "torch"
     assert Engine(tiny.model, EngineConfig(attn_backend="flashmla")).attn_kernel == "flashmla (unavailable)"
-    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "torch")
-    assert tiny.attn_kernel == "torch"
-    monkeypatch.setenv("DSV4BATCH_ATTN_BACKEND", "bogus")
-    assert tiny.attn_kernel == "invalid DSV4BATCH_ATTN_BACKEND"
-    monkeypatch.delenv("DSV4BATCH_ATTN_BACKEND")
+    # the engine's kernels: resolved from its config when made (and when the config is replaced)
+    with use_kernels(gemm="blas", attention="cpu"):
+        engine = Engine(tiny.model, EngineConfig(attn_backend="torch"))
+    assert engine.kernels == KernelConfig(attention="torch", gemm="blas") and engine.attn_kernel == "torch"
+    engine.config = EngineConfig(attn_backend="auto")
+    assert engine.kernels == KernelConfig(gemm="blas") and engine.attn_kernel == "cpu"
     monkeypatch.setitem(build_mod._state, cpu_mod.isa(), "RuntimeError: no C++ compiler")
     assert tiny.attn_kernel == "torch"
     assert ATTN_BACKENDS == _BACKENDS

@@ -8,7 +8,6 @@ import torch
 from dsv4batch.kernels import build as build_mod
 from dsv4batch.kernels import cpu as cpu_mod
 from dsv4batch.kernels import head_stats, pack_head
-from dsv4batch.kernels.dense import ENV_CPU_GEMM
 from dsv4batch.model.head import PackedHead, fused_scores, tiled_logprobs
 from tests.kernels.isas import isa  # noqa: F401 - the fixture the tests below use
 from tests.threads import MACHINE, torch_threads
@@ -103,8 +102,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch_mates():
         assert torch.equal(fused_scores(x, weight, targets, panels)[0], together)  # nor on the thread count
 
 
-def test_panels_follow_the_weight_and_the_switches(monkeypatch):
-    monkeypatch.delenv(ENV_CPU_GEMM, raising=False)
+def test_panels_follow_the_weight_and_the_switches(monkeypatch, kernels):
     weight = torch.randn(300, 16)
     x, targets = torch.randn(4, 16), torch.tensor([1, 2, 3, 299])
     head = PackedHead()
@@ -116,30 +114,29 @@ def test_panels_follow_the_weight_and_the_switches(monkeypatch):
     assert head.panels(weight) is not panels
     assert not torch.equal(fused_scores(x, weight, targets, head.panels(weight))[0], before)
     assert head.panels(weight.bfloat16()) is None  # fp32 only
-    monkeypatch.setenv(ENV_CPU_GEMM, "blas")
+    kernels(gemm="blas")
     assert head.panels(weight) is None  # the tiles on BLAS, as asked
-    monkeypatch.setenv(ENV_CPU_GEMM, "fused")
+    kernels(gemm="fused")
     assert head.panels(weight) is not None
     with pytest.raises(RuntimeError, match="fused"):
         head.panels(weight.bfloat16())
     monkeypatch.setitem(build_mod._state, cpu_mod.isa(), "RuntimeError: no C++ compiler")
     with pytest.raises(RuntimeError, match="fused"):
         PackedHead().panels(weight)
-    monkeypatch.delenv(ENV_CPU_GEMM)
+    kernels(gemm="auto")
     assert PackedHead().panels(weight) is None  # auto: the tiles
 
 
 def test_engine_uses_it_and_the_tiles_agree(monkeypatch):
     from dsv4batch.model import TINY, Engine
 
-    monkeypatch.delenv(ENV_CPU_GEMM, raising=False)
     engine = Engine.from_pretrained(TINY)
     reqs = [[0, 5, 9, 200, 17, 3] * 20, [0, 44, 45], [0, 7, 7] * 9]
     fused, _ = engine.score(reqs)
     assert engine.model.packed_head._panels is not None and engine.model.packed_head._tiles is None
     greedy = engine.score_details(reqs)[0]
     top = engine.score_details(reqs, top_k=2)[0]
-    monkeypatch.setenv(ENV_CPU_GEMM, "onednn")
+    monkeypatch.setattr(engine, "kernels", engine.kernels.replace(gemm="onednn"))
     tiled, _ = engine.score(reqs)
     tiled_greedy = engine.score_details(reqs)[0]
     for f, g, t, tl, tg in zip(fused, greedy, top, tiled, tiled_greedy):

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4batch.kernels.dense import ENV_CPU_GEMM
 from dsv4batch.model.head import VOCAB_TILE, PackedHead, exp_, tiled_details, tiled_logprobs, vocab_tiles
 from tests.ties import assert_greedy_match, assert_top_ids_match
 
@@ -150,12 +149,12 @@ def test_packed_tiles_give_the_same_bits_and_follow_the_weight():
 
 def test_engine_scores_on_packed_tiles_as_blas_does(engine, monkeypatch):
     reqs = [[0, 5, 9, 200, 17, 3] * 20, [0, 44, 45]]
-    monkeypatch.setenv(ENV_CPU_GEMM, "onednn")  # the tiles (auto runs the fused head: test_fused_head.py)
+    monkeypatch.setattr(engine, "kernels", engine.kernels.replace(gemm="onednn"))  # the tiles (auto: the fused head)
     model = engine.model
     model.packed_head = PackedHead()
     packed, _ = engine.score(reqs)
     assert model.packed_head._tiles is not None  # built by the call above (CPU, fp32, oneDNN)
-    monkeypatch.setenv(ENV_CPU_GEMM, "blas")
+    monkeypatch.setattr(engine, "kernels", engine.kernels.replace(gemm="blas"))
     blas, _ = engine.score(reqs)
     for a, b in zip(packed, blas):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)

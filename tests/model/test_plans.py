@@ -29,7 +29,7 @@ def test_plans_give_identical_logprobs(path):
             assert stats.num_steps > 5
     ref = results["single", False]
     # equal up to fp32 rounding: where a plan cuts a request's positions into steps decides its
-    # attention's dense blocks (kernels/reference.py), which round differently (seen: 3.8e-6)
+    # attention's dense blocks (kernels/sparse_mla_torch.py), which round differently (seen: 3.8e-6)
     for key, got in results.items():
         for a, b in zip(got, ref):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=str(key))

@@ -1,11 +1,13 @@
 """`kernels.quant_linear`: the reference backend against a dense GEMM on independently dequantized
-weights, its slice-at-a-time property, its errors, and the CUDA backend (marked `gpu`)."""
+weights and against the definition (`kernels/ref.py`), its slice-at-a-time property, its errors,
+and the CUDA backend (marked `gpu`)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4batch.kernels import quant_backends, quant_cuda, quant_linear, quant_reference
+from dsv4batch.kernels import KernelConfig, quant_backends, quant_cuda, quant_linear, quant_reference, use_kernels
+from dsv4batch.kernels.ref import dequantize_ref, quant_linear_ref
 from dsv4batch.kernels.rows import MIN_ROWS
 from dsv4batch.model.layers import QuantLinear
 from tests.model.test_quant_layout import quantize_fp4, quantize_fp8
@@ -89,14 +91,27 @@ def test_bad_calls_are_refused():
             quant_linear(x, q, scale, "fp8", backend="cuda")
 
 
-def test_environment_chooses_the_backend(monkeypatch):
+def test_kernel_config_chooses_the_backend():
     q, scale, dense = stored("fp8", 128, 256)
     x = torch.randn(16, 256, generator=GEN)
-    monkeypatch.setenv("DSV4BATCH_QUANT_BACKEND", "reference")
-    torch.testing.assert_close(quant_linear(x, q, scale, "fp8"), F.linear(x, dense), atol=1e-5, rtol=1e-5)
-    monkeypatch.setenv("DSV4BATCH_QUANT_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="DSV4BATCH_QUANT_BACKEND must be one of .* got 'bogus'"):
-        quant_linear(x, q, scale, "fp8")
+    with use_kernels(quant="reference"):
+        torch.testing.assert_close(quant_linear(x, q, scale, "fp8"), F.linear(x, dense), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="KernelConfig.quant must be one of .* got 'bogus'"):
+        KernelConfig(quant="bogus")
+
+
+@pytest.mark.parametrize("fmt,out,inp", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_backend_matches_the_definition(fmt, out, inp, dtype):
+    """`ref.quant_linear_ref` (the whole weight dequantized, one fp64 GEMM) against the reference
+    backend (slice by slice in x's dtype) and auto (the reference here), up to x's rounding."""
+    q, scale, dense = stored(fmt, out, inp)
+    x = torch.randn(37, inp, generator=GEN).to(dtype)
+    want = quant_linear_ref(x, q, scale, fmt)
+    assert want.dtype == dtype and torch.equal(dequantize_ref(q, scale, fmt), dense)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for backend in quant_backends(x, q, fmt) + ["auto"]:
+        torch.testing.assert_close(quant_linear(x, q, scale, fmt, backend=backend).float(), want.float(), **tol)
 
 
 @pytest.mark.parametrize("m,k,n", [(20, 256, 384), (16, 640, 128), (1, 128, 128), (33, 4096, 1024)])

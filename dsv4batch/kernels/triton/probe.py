@@ -36,7 +36,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _attention_error(device: torch.device) -> float:
-    from ..reference import sparse_mla_prefill_torch
+    from ..sparse_mla_torch import sparse_mla_prefill_torch
     from .attention import sparse_mla_triton
 
     gen = torch.Generator().manual_seed(0)

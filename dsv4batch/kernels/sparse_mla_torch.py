@@ -1,4 +1,5 @@
-"""Torch backend of :func:`dsv4batch.kernels.sparse_mla_prefill`; this code *is* the definition.
+"""The ``"torch"`` backend of :func:`dsv4batch.kernels.sparse_mla_prefill` (an optimized path,
+not the definition: that is ``ref.sparse_mla_prefill_ref``, which the tests hold this to).
 
 Same contract as FlashMLA ``flash_mla_sparse_fwd`` (see ``dsv4batch/kernels/__init__.py``).
 It is the CPU hot path of the engine, with two ways through it (same maths, fp32; fp64 when q is
@@ -26,6 +27,7 @@ positions, cut at request ends) keep a request's results independent of its batc
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
@@ -71,7 +73,8 @@ def sparse_mla_prefill_torch(
     slice_elems: Optional[int] = None,
     query_blocks: Optional[Sequence[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shapes/dtypes/edge cases: see ``sparse_mla_prefill``. ``slice_elems`` bounds one slice.
+    """Shapes/dtypes/edge cases: see ``sparse_mla_prefill`` (definition: ``ref.sparse_mla_prefill_ref``).
+    ``slice_elems`` bounds one slice.
 
     query_blocks: increasing query boundaries ``[0, b_1, ..., s_q]`` (ints): the candidate dense
     blocks ``[b_i, b_i+1)`` (see the module docstring); None: gathered slices only."""
@@ -80,7 +83,6 @@ def sparse_mla_prefill_torch(
     s_kv, topk = kv.shape[0], indices.shape[-1]
     d_v = d_qk if d_v is None else int(d_v)
     dev = q.device
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     inf = float("inf")
     # one spare row past s_q: where dense blocks write their padding queries
     outs = (torch.empty(s_q + 1, h_q, d_v, dtype=q.dtype, device=dev),  # lonely rows zeroed below
@@ -89,9 +91,29 @@ def sparse_mla_prefill_torch(
     out, max_logits, lse = (t[:s_q] for t in outs)
     if s_q == 0 or topk == 0 or s_kv == 0:
         return out.zero_(), max_logits, lse
+    kvz, gidx, invalid, kcq = _slots(q, kv, indices, topk_length)
+    sink = None if attn_sink is None else attn_sink.to(dev, kvz.dtype).reshape(1, h_q)
+    if slice_elems is None:
+        slice_elems = CUDA_SLICE_ELEMS if dev.type == "cuda" else CPU_SLICE_ELEMS
+    if query_blocks is not None:
+        _all_dense_blocks(q, kvz, gidx, invalid, kcq, query_blocks, sm_scale, sink, d_v, outs, slice_elems)
+    order, pieces = _slices(kcq, slice_elems, d_qk, h_q)
+    if pieces is None:  # lonely queries (no valid slot): out 0
+        out[order.to(dev)] = 0
+        return out, max_logits, lse
+    _run_slices(q, kvz, gidx, invalid, order, pieces, sm_scale, sink, d_v, (out, max_logits, lse))
+    return out, max_logits, lse
 
-    # kv in compute dtype plus one zero row (index s_kv): every invalid slot gathers that row,
-    # so whatever an invalid index names (NaN rows, garbage, out of range) never enters the math.
+
+def _slots(q, kv, indices, topk_length):
+    """(kvz, gidx, invalid, kcq): kv in the compute dtype plus one zero row (index s_kv: every
+    invalid slot gathers that row, so whatever an invalid index names - NaN rows, garbage, out of
+    range - never enters the math); gidx [s_q, W] the kv row of each slot (s_kv when invalid) and
+    invalid [s_q, W], the slot axis padded to W, a multiple of KC_ALIGN, with invalid slots (whole
+    vector blocks); kcq [s_q] (CPU) each query's last valid slot rounded up to KC_ALIGN."""
+    s_q, _, d_qk = q.shape
+    s_kv, topk, dev = kv.shape[0], indices.shape[-1], q.device
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     kvz = torch.cat([kv.reshape(s_kv, d_qk).to(cdt), kv.new_zeros(1, d_qk, dtype=cdt)])
     idx = indices.reshape(s_q, topk).to(dev)
     valid = (idx >= 0) & (idx < s_kv)
@@ -99,7 +121,6 @@ def sparse_mla_prefill_torch(
         valid &= torch.arange(topk, device=dev) < topk_length.to(dev).reshape(s_q, 1)
     gidx = torch.where(valid, idx.long(), s_kv)
     invalid = ~valid
-    # Pad the slot axis to a multiple of KC_ALIGN with invalid slots (whole vector blocks).
     width = -(-topk // KC_ALIGN) * KC_ALIGN
     if width != topk:
         gidx = torch.cat([gidx, gidx.new_full((s_q, width - topk), s_kv)], 1)
@@ -111,39 +132,56 @@ def sparse_mla_prefill_torch(
     # query no longer pays for the widest query of its slice.
     ncols = ((~invalid) * torch.arange(1, topk + 1, device=dev, dtype=torch.int32)).amax(1).cpu()
     kcq = (ncols + KC_ALIGN - 1) // KC_ALIGN * KC_ALIGN
-    sink = None if attn_sink is None else attn_sink.to(dev, cdt).reshape(1, h_q)
-    if slice_elems is None:
-        slice_elems = CUDA_SLICE_ELEMS if dev.type == "cuda" else CPU_SLICE_ELEMS
-    if query_blocks is not None:
-        bounds = [int(b) for b in query_blocks]
-        if bounds[0] != 0 or bounds[-1] != s_q or any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"query_blocks must rise strictly from 0 to s_q={s_q}")
-        # blocks whose unions are found at once (bounds the slot and presence tensors)
-        per = max(1, DENSE_BATCH_SLOTS // max(QUERY_BLOCK * topk, s_kv + 1))
-        done = torch.zeros(s_q, dtype=torch.bool)
-        for i in range(0, len(bounds) - 1, per):
-            done |= _dense_blocks(q, kvz, gidx, invalid, kcq, bounds[i:i + per + 1], sm_scale, sink, d_v,
-                                  outs, slice_elems)
-        kcq[done] = -1  # done: left out of the slices below
+    return kvz, gidx, invalid, kcq
+
+
+def _all_dense_blocks(q, kvz, gidx, invalid, kcq, query_blocks, sm_scale: float, sink, d_v: int, outs,
+                      slice_elems: int) -> None:
+    """Run the dense blocks of `query_blocks` (checked here), a batch of blocks at a time;
+    their queries' kcq become -1 (left out of the slices)."""
+    s_q, topk, s_kv = q.shape[0], gidx.shape[1], kvz.shape[0] - 1
+    bounds = [int(b) for b in query_blocks]
+    if bounds[0] != 0 or bounds[-1] != s_q or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"query_blocks must rise strictly from 0 to s_q={s_q}")
+    # blocks whose unions are found at once (bounds the slot and presence tensors)
+    per = max(1, DENSE_BATCH_SLOTS // max(QUERY_BLOCK * topk, s_kv + 1))
+    done = torch.zeros(s_q, dtype=torch.bool)
+    for i in range(0, len(bounds) - 1, per):
+        done |= _dense_blocks(q, kvz, gidx, invalid, kcq, bounds[i:i + per + 1], sm_scale, sink, d_v,
+                              outs, slice_elems)
+    kcq[done] = -1  # done: left out of the slices below
+
+
+def _slices(kcq: torch.Tensor, slice_elems: int, d_qk: int, h_q: int):
+    """(order, pieces): the queries sorted by kcq (stable; the dense blocks' -1 dropped) and the
+    slices (first, end, kc) of that order, each bounded by `slice_elems`; lonely queries (kc 0)
+    are in no piece. pieces None when there are none: order is then the lonely queries."""
     order = torch.argsort(kcq, stable=True)
     widths, counts = torch.unique_consecutive(kcq[order], return_counts=True)
     if counts.numel() and int(widths[0]) == -1:  # the dense blocks' queries
         order, widths, counts = order[int(counts[0]):], widths[1:], counts[1:]
-    pieces, a = [], 0  # (first, end, kc) in sorted order; lonely queries (kc 0) keep 0 / -inf / +inf
+    pieces, a = [], 0  # lonely queries (kc 0) keep 0 / -inf / +inf
     for kc, count in zip(widths.tolist(), counts.tolist()):
         step = max(1, int(slice_elems) // (kc * (d_qk + h_q))) if kc else count
         pieces += [(i, min(i + step, a + count), kc) for i in range(a, a + count, step) if kc]
         a += count
-    if counts.numel() and int(widths[0]) == 0:  # lonely queries (no valid slot): out 0
-        out[order[: int(counts[0])].to(dev)] = 0
-    if not pieces:
-        return out, max_logits, lse
+    lonely = int(counts[0]) if counts.numel() and int(widths[0]) == 0 else 0
+    return (order[:lonely], None) if not pieces else (order, (pieces, lonely))
+
+
+def _run_slices(q, kvz, gidx, invalid, order, plan, sm_scale: float, sink, d_v: int, outs) -> None:
+    """The gathered slices: per piece one gather of its queries' K rows and two batched matmuls,
+    into `outs` = (out, max_logits, lse); the lonely queries (the first `lonely` of order) get out 0."""
+    pieces, lonely = plan
+    out, max_logits, lse = outs
+    dev, (_, h_q, d_qk), cdt, inf = q.device, q.shape, kvz.dtype, float("inf")
+    if lonely:
+        out[order[:lonely].to(dev)] = 0
     # Reused buffers: fresh big allocations per slice cost page faults on CPU.
     kbuf = torch.empty(max((b - a) * kc for a, b, kc in pieces) * d_qk, dtype=cdt, device=dev)
     pbuf = torch.empty(kbuf.numel() // d_qk * h_q, dtype=cdt, device=dev)
     obuf = torch.empty(max(b - a for a, b, _ in pieces) * h_q * d_v, dtype=cdt, device=dev)
     first, order_dev = order.tolist(), order.to(dev)
-
     for a, b, kc in pieces:
         n = b - a
         # the piece's queries: a plain slice when they are consecutive (a long request), else an index
@@ -158,7 +196,6 @@ def sparse_mla_prefill_torch(
         out[sel] = o.to(out.dtype)
         max_logits[sel] = m
         lse[sel] = lse_s
-    return out, max_logits, lse
 
 
 def _softmax_values(p: torch.Tensor, sink, values):
@@ -208,7 +245,29 @@ def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v
     one bmm over the common rows plus one over the private ones.
     Results go into `outs` = (out, max_logits, lse), each with one spare row at s_q that the
     padding queries write; returns done [s_q] bool (CPU): the queries written."""
-    dev, (s_q, h_q, d_qk), s_kv = q.device, q.shape, kvz.shape[0] - 1
+    s_q = q.shape[0]
+    b = _block_rows(gidx, kcq, bounds, s_q, kvz.shape[0] - 1)
+    done = torch.zeros(s_q, dtype=torch.bool)
+    if not bool(b.take.any()):
+        return done
+    g = _block_groups(b, bounds, s_q, kvz.shape[0] - 1)
+    h_q, d_qk, n = q.shape[1], q.shape[2], b.n
+    for s0, s1, group in g.segments:
+        w, pw = g.pairs[group]
+        per_block = w * (n * h_q + d_qk) + n * pw * (h_q + d_qk)                # logits + K rows
+        step = max(1, slice_elems // per_block)
+        for g0 in range(s0, s1, step):
+            _run_blocks(q, kvz, g, n, g0, min(g0 + step, s1), w, pw, sm_scale, sink, d_v, outs)
+    done[b.qidx[g.pick][b.qidx[g.pick] < s_q]] = True
+    return done
+
+
+def _block_rows(gidx, kcq, bounds, s_q: int, s_kv: int) -> SimpleNamespace:
+    """Each block's kv rows as a count over its span (no sort), which of them are common, and
+    which blocks are taken (`_dense_blocks`): size [nb], n, qidx [nb, n] (its queries, padded
+    with s_q), keys [nb, n * W], free (slots naming no row), lo [nb, 1], rel (keys - lo; free:
+    span), span, common [nb, span + 1], rank (common column + 1), on_common, take [nb] (CPU)."""
+    dev = gidx.device
     size = torch.tensor(bounds).diff()
     nb, n = len(size), int(size.max())
     # qidx [nb, n]: each block's queries, padded with s_q (a row of zero queries / zero-row slots)
@@ -236,84 +295,90 @@ def _dense_blocks(q, kvz, gidx, invalid, kcq, bounds, sm_scale: float, sink, d_v
     u_c = rank[:, span].contiguous().cpu()
     on_common = common.gather(1, rel)                                           # [nb, n * W]
     take = is_dense | ((u_c > 0) & (size * u_c <= DENSE_FACTOR * on_common.sum(1).cpu()))
-    done = torch.zeros(s_q, dtype=torch.bool)
-    if not bool(take.any()):
-        return done
-    col = (rank.gather(1, rel).long() - 1).masked_fill_(~on_common, -1).view(nb, n, -1)
-    private = (~on_common & ~free).view(nb, n, -1)                              # [nb, n, W]
+    return SimpleNamespace(size=size, n=n, qidx=qidx, keys=keys, free=free, lo=lo, rel=rel, span=span,
+                           common=common, rank=rank, u_c=u_c, on_common=on_common, take=take)
+
+
+def _block_groups(b: SimpleNamespace, bounds, s_q: int, s_kv: int) -> SimpleNamespace:
+    """The taken blocks of `_block_rows`' `b`, ordered by (padded common width, private width),
+    each pair one run (in-place runs first, `_runs_first`), with the tensors `_run_blocks` reads:
+    pick, first_q, is_full, pairs, segments, rows (common kv rows), drop (not the query's slot),
+    p_rows / p_count (each query's private rows), qi (its queries), q_rows (clamped to real rows)."""
+    dev, nb, n = b.keys.device, len(b.size), b.n
+    col = (b.rank.gather(1, b.rel).long() - 1).masked_fill_(~b.on_common, -1).view(nb, n, -1)
+    private = (~b.on_common & ~b.free).view(nb, n, -1)                          # [nb, n, W]
     num_private = private.sum(2)                                                # [nb, n]
     p_width = ((num_private.amax(1) + KC_ALIGN - 1) // KC_ALIGN * KC_ALIGN).cpu()
-    # the taken blocks ordered by (padded common width, private width): each pair one run
-    width = _width(u_c.long())
-    pick = torch.nonzero(take).flatten()
+    width = _width(b.u_c.long())
+    pick = torch.nonzero(b.take).flatten()
     pair = width[pick] * (1 << 24) + p_width[pick]
     order = torch.argsort(pair, stable=True)
     pick, (pairs, counts) = pick[order], torch.unique_consecutive(pair[order], return_counts=True)
     pairs = torch.stack([pairs >> 24, pairs & ((1 << 24) - 1)], 1)
     # a run of consecutive full blocks (one long request) reads q and writes out in place
-    first_q, is_full = torch.tensor(bounds[:-1])[pick], size[pick] == n
+    first_q, is_full = torch.tensor(bounds[:-1])[pick], b.size[pick] == n
     perm, segments = _runs_first(first_q.tolist(), is_full.tolist(), counts.tolist(), n)
     pick, first_q, is_full = pick[perm], first_q[perm], is_full[perm]
     m_all, pd = len(pick), pick.to(dev)
     w_max, pw_max = int(pairs[:, 0].max()), int(pairs[:, 1].max())
     rows = torch.full((m_all, w_max + 1), s_kv, dtype=torch.long, device=dev)  # each block's common kv rows
-    blk, r = torch.nonzero(common[pd, :span]).unbind(1)
-    rows[blk, rank[pd][blk, r].long() - 1] = r + lo[pd][blk, 0]
+    blk, r = torch.nonzero(b.common[pd, :b.span]).unbind(1)
+    rows[blk, b.rank[pd][blk, r].long() - 1] = r + b.lo[pd][blk, 0]
     c = col[pd]
     drop = torch.ones(m_all, n, w_max + 1, dtype=torch.bool, device=dev)       # True: not the query's slot
     drop.scatter_(2, torch.where(c < 0, w_max, c), False)
-    # each query's private kv rows in slot order, padded with the zero row (masked below)
-    if pw_max:
+    p_rows = p_count = None
+    if pw_max:  # each query's private kv rows in slot order, padded with the zero row (masked later)
         priv = private[pd]
         at = torch.where(priv, priv.cumsum(2) - 1, pw_max)
         p_rows = torch.full((m_all, n, pw_max + 1), s_kv, dtype=torch.long, device=dev).scatter_(
-            2, at, keys.view(nb, n, -1)[pd])
+            2, at, b.keys.view(nb, n, -1)[pd])
         p_count = num_private[pd]
-    qi = qidx[pick].to(dev)                                                     # [m_all, n]
-    q_rows = qi.clamp(max=s_q - 1)  # padding queries compute on a real row, written to the spare
+    qi = b.qidx[pick].to(dev)                                                   # [m_all, n]
+    return SimpleNamespace(pick=pick, first_q=first_q, is_full=is_full, pairs=pairs.tolist(), segments=segments,
+                           rows=rows, drop=drop, p_rows=p_rows, p_count=p_count, qi=qi,
+                           q_rows=qi.clamp(max=s_q - 1))  # padding queries compute on a real row
+
+
+def _run_blocks(q, kvz, g: SimpleNamespace, n: int, g0: int, g1: int, w: int, pw: int, sm_scale: float, sink,
+                d_v: int, outs) -> None:
+    """Blocks g0..g1 of `_block_groups`' `g` (one group: common width w, private width pw) into
+    `outs`: logits over the common and private rows, one softmax, the values."""
+    dev, (_, h_q, d_qk) = q.device, q.shape
     out, max_logits, lse = outs
-    pairs = pairs.tolist()
-    for s0, s1, group in segments:
-        w, pw = pairs[group]
-        per_block = w * (n * h_q + d_qk) + n * pw * (h_q + d_qk)                # logits + K rows
-        step = max(1, slice_elems // per_block)
-        for g0 in range(s0, s1, step):
-            g1 = min(g0 + step, s1)
-            m = g1 - g0
-            q0 = int(first_q[g0])
-            is_run = bool(is_full[g0:g1].all()) and int(first_q[g1 - 1]) - q0 == (m - 1) * n
-            k = kvz.index_select(0, rows[g0:g1, :w].reshape(-1)).view(m, w, d_qk)
-            if is_run:
-                qs = q[q0:q0 + m * n].reshape(m, n * h_q, d_qk).to(k.dtype)
-            else:
-                qs = q.index_select(0, q_rows[g0:g1].flatten()).view(m, n * h_q, d_qk).to(k.dtype)
-            p = torch.bmm(qs, k.transpose(1, 2)).view(m * n, h_q, w)
-            mask = drop[g0:g1, :, :w].reshape(m * n, 1, w)
-            if pw:
-                kp = kvz.index_select(0, p_rows[g0:g1, :, :pw].reshape(-1)).view(m * n, pw, d_qk)
-                pp = torch.bmm(qs.view(m * n, h_q, d_qk), kp.transpose(1, 2))   # [m * n, h_q, pw]
-                pad = torch.arange(pw, device=dev) >= p_count[g0:g1].reshape(m * n, 1, 1)
-                p, mask = torch.cat([p, pp], 2), torch.cat([mask, pad], 2)
-            p = p.mul_(sm_scale).masked_fill_(mask, float("-inf"))
-            o_view = out[q0:q0 + m * n].view(m, n * h_q, d_v) if is_run and out.dtype == k.dtype else None
+    m = g1 - g0
+    q0 = int(g.first_q[g0])
+    is_run = bool(g.is_full[g0:g1].all()) and int(g.first_q[g1 - 1]) - q0 == (m - 1) * n
+    k = kvz.index_select(0, g.rows[g0:g1, :w].reshape(-1)).view(m, w, d_qk)
+    if is_run:
+        qs = q[q0:q0 + m * n].reshape(m, n * h_q, d_qk).to(k.dtype)
+    else:
+        qs = q.index_select(0, g.q_rows[g0:g1].flatten()).view(m, n * h_q, d_qk).to(k.dtype)
+    p = torch.bmm(qs, k.transpose(1, 2)).view(m * n, h_q, w)
+    mask = g.drop[g0:g1, :, :w].reshape(m * n, 1, w)
+    if pw:
+        kp = kvz.index_select(0, g.p_rows[g0:g1, :, :pw].reshape(-1)).view(m * n, pw, d_qk)
+        pp = torch.bmm(qs.view(m * n, h_q, d_qk), kp.transpose(1, 2))           # [m * n, h_q, pw]
+        pad = torch.arange(pw, device=dev) >= g.p_count[g0:g1].reshape(m * n, 1, 1)
+        p, mask = torch.cat([p, pp], 2), torch.cat([mask, pad], 2)
+    p = p.mul_(sm_scale).masked_fill_(mask, float("-inf"))
+    o_view = out[q0:q0 + m * n].view(m, n * h_q, d_v) if is_run and out.dtype == k.dtype else None
 
-            def values(x):
-                o = torch.bmm(x[..., :w].reshape(m, n * h_q, w), k[..., :d_v], out=o_view)
-                o = o.view(m * n, h_q, d_v)
-                return o.baddbmm_(x[..., w:], kp[..., :d_v]) if pw else o
+    def values(x):
+        o = torch.bmm(x[..., :w].reshape(m, n * h_q, w), k[..., :d_v], out=o_view)
+        o = o.view(m * n, h_q, d_v)
+        return o.baddbmm_(x[..., w:], kp[..., :d_v]) if pw else o
 
-            o, mx, ls = _softmax_values(p, sink, values)
-            if is_run:
-                if o_view is None:
-                    out[q0:q0 + m * n] = o.to(out.dtype)
-                max_logits[q0:q0 + m * n], lse[q0:q0 + m * n] = mx, ls
-            else:
-                dst = qi[g0:g1].flatten()
-                out.index_copy_(0, dst, o.to(out.dtype))
-                max_logits.index_copy_(0, dst, mx)
-                lse.index_copy_(0, dst, ls)
-    done[qidx[pick][qidx[pick] < s_q]] = True
-    return done
+    o, mx, ls = _softmax_values(p, sink, values)
+    if is_run:
+        if o_view is None:
+            out[q0:q0 + m * n] = o.to(out.dtype)
+        max_logits[q0:q0 + m * n], lse[q0:q0 + m * n] = mx, ls
+    else:
+        dst = g.qi[g0:g1].flatten()
+        out.index_copy_(0, dst, o.to(out.dtype))
+        max_logits.index_copy_(0, dst, mx)
+        lse.index_copy_(0, dst, ls)
 
 
 # Consecutive full blocks (queries) from which a group's blocks run in place (q read as a slice,
