@@ -1,7 +1,7 @@
 // Fused sparse MLA prefill for the CPU: the `"cpu"` backend of dsv4batch.kernels.sparse_mla_prefill.
 //
 // Contract: the same as dsv4batch/kernels/__init__.py (FlashMLA's flash_mla_sparse_fwd); the
-// definition is the fp32 torch reference, dsv4batch/kernels/reference.py, and this code equals it
+// definition is dsv4batch/kernels/ref.py (tested against it, as every backend), and this code equals it
 // up to fp32 rounding. One query at a time over its own valid slots only: its K = V rows are read
 // straight from kv (no gathered copy, no union of a block's slots, no padding), the logits of
 // all its heads stay in a [h, slots] scratch (heads x slots register tiles, reduced together),
