@@ -15,27 +15,13 @@ fp32, best of `--repeats` (engines interleaved). The CPU model and its vector IS
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import numpy as np
 import torch
 
-from bench.common import best_of, emit, random_prompts
+from bench.common import best_of, emit, machine, random_prompts
 from bench.forward import build_pair
-
-
-def cpu_name() -> dict:
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-        flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    except OSError:
-        model = platform.processor()
-    isa = "avx512" if " avx512f" in flags else "avx2" if " avx2" in flags else platform.machine()
-    return {"cpu": model, "isa": isa, "threads": torch.get_num_threads()}
 
 
 class StepClock:
@@ -128,7 +114,7 @@ def main(argv):
 
     parts = args.parts.split(",")
     config = EngineConfig(max_num_batched_tokens=4096, max_model_len=34000, max_num_seqs=64)
-    result = {"bench": "generate", **cpu_name(), "models": {}}
+    result = {"bench": "generate", **machine(), "threads": torch.get_num_threads(), "models": {}}
     for model_name in args.models.split(","):
         ours, hf = build_pair(model_name, config)
         row = {}
