@@ -46,8 +46,8 @@ import time
 import numpy as np
 
 from bench.common import emit
+from dsv4batch.actors.score import ScoringActor
 from dsv4batch.model.stats import StepStats
-from dsv4batch.pipeline.stages.score import ScoringActor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE_ROWS = 100_000

@@ -102,7 +102,7 @@ class LocalScorer(Scorer):
         super().__init__(config, log)
         import torch
 
-        from dsv4batch.pipeline.stages.replica import load_engine
+        from dsv4batch.actors.engine import load_engine
 
         gpus = 1.0 if torch.cuda.is_available() and not (device or "").startswith("cpu") else 0.0
         self.engine, self.device, self.dtype = load_engine(config, gpus)
@@ -193,7 +193,7 @@ class RayScorer(Scorer):
         finally:
             ray.kill(collector)
             if self.config.tp > 1:
-                from dsv4batch.pipeline.stages.shards import release_groups
+                from dsv4batch.actors.shards import release_groups
 
                 release_groups()  # this call's replicas are done: free their GPUs for the next
         missing = [i for i, o in enumerate(out) if o is None]

@@ -116,7 +116,7 @@ def _score(config: JobConfig, info, state, job: dict, parts, run: dict, start: d
     from dsv4batch.pipeline.faults import explain_failure
     from dsv4batch.pipeline.fs import open_fs
     from dsv4batch.pipeline.graph import check_capacity, process, resolve
-    from dsv4batch.pipeline.stages.shards import release_groups
+    from dsv4batch.actors.shards import release_groups
     from dsv4batch.pipeline.ids.scan import scan_ids
     from dsv4batch.pipeline.metrics import start_collector
     from dsv4batch.pipeline.progress import Progress

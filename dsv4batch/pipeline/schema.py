@@ -1,8 +1,9 @@
 """Column contract between the pipeline steps.
 
-read -> [derive ids] -> Tokenize -> ScoringActor -> sink (`stages/`, `ids/`, `sink`). Each step declares a `StageSpec`: the
-columns it needs and the ones it adds; `check_columns` turns a missing column into a message
-that lists what is available. pyarrow is imported lazily (only `output_schema` needs it).
+read -> [derive ids] -> Tokenize -> ScoringActor -> sink (`stages/`, `actors/`, `ids/`, `sink`).
+Each step declares a `StageSpec`: the columns it needs and the ones it adds; `check_columns`
+turns a missing column into a message that lists what is available. pyarrow is imported lazily
+(only `output_schema` needs it).
 
 Text: the one invalid-text rule of every input format (`utf8_text`, `utf8_values`). The columns
 the tokenizer reads (text, target, conversations) are UTF-8 text in any of Arrow's string,

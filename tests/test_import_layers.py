@@ -1,8 +1,11 @@
-"""The layering, read from the imports: jobs -> (eval ->) pipeline -> (stages ->) model ->
-planner/kernels.
+"""The layering, read from the imports: jobs -> (eval ->) pipeline -> actors -> model ->
+planner/kernels; nothing imports upward.
 
 Every `import` and `from ... import` in the package (lazy ones inside functions included) is
-read with `ast`; an import that runs against the flow fails with the file and the name.
+read with `ast`; an import that runs against the flow fails with the file and the name. Two
+parts reach up into the pipeline, and only into its shared leaf modules: its per-row `stages`
+(peers of the driver's modules) and the replica `actors` (placed by the driver); never into the
+driver's own modules (`graph`, `runner`, `metrics`, ...).
 """
 
 import ast
@@ -16,18 +19,23 @@ ALLOWED = {
     "planner": set(),
     "kernels": set(),
     "model": {"planner", "kernels"},
+    # the replica actors: the model, and the pipeline's shared leaf modules they need
+    "actors": {"model", "planner", "kernels", "pipeline/config", "pipeline/schema", "pipeline/errors",
+               "pipeline/stats"},
     # the stages are peers: they share the pipeline's common modules, never the driver's
     "pipeline/stages": {"model", "planner", "kernels", "pipeline/config", "pipeline/schema",
-                        "pipeline/errors", "pipeline/faults", "pipeline/stats", "pipeline/openai_batch"},
-    "pipeline": {"model", "planner", "kernels", "pipeline/stages"},
-    # the lm-eval backend: a client of the pipeline (and its scoring stage) and the model
-    "eval": {"pipeline", "pipeline/stages", "model", "planner", "kernels"},
-    "jobs": {"eval", "pipeline", "pipeline/stages", "model", "planner", "kernels"},
+                        "pipeline/errors", "pipeline/openai_batch"},
+    "pipeline": {"actors", "model", "planner", "kernels", "pipeline/stages"},
+    # the lm-eval backend: a client of the pipeline (and its replica loader) and the model
+    "eval": {"pipeline", "pipeline/stages", "actors", "model", "planner", "kernels"},
+    "jobs": {"eval", "pipeline", "pipeline/stages", "actors", "model", "planner", "kernels"},
 }
+# parts that may reach into the pipeline only module by module (its leaves, listed above)
+LEAF_CLIENTS = ("pipeline/stages", "actors")
 
 
 def part_of(module: str) -> str | None:
-    """'dsv4batch.pipeline.stages.score' -> 'pipeline/stages'; the part it belongs to."""
+    """'dsv4batch.pipeline.stages.tokenize' -> 'pipeline/stages'; the part it belongs to."""
     parts = module.split(".")[1:]
     if parts[:2] == ["pipeline", "stages"]:
         return "pipeline/stages"
@@ -63,7 +71,7 @@ def violations(path: pathlib.Path, module: str) -> list[str]:
         target = part_of(name) if name.startswith("dsv4batch.") else None
         if target is None or target == mine:
             continue
-        if mine == "pipeline/stages" and target == "pipeline":
+        if mine in LEAF_CLIENTS and target == "pipeline":
             target = "pipeline/" + (name.split(".") + ["__init__"])[2]
         if target not in ALLOWED[mine]:
             bad.append(f"{module} imports {name} ({mine} -> {target})")
@@ -90,6 +98,15 @@ def test_the_rule_catches_imports_against_the_flow(tmp_path):
         "(pipeline/stages -> pipeline/graph)",
         "dsv4batch.pipeline.stages.x imports dsv4batch.pipeline.metrics "
         "(pipeline/stages -> pipeline/metrics)"]
+    f.write_text("from dsv4batch.pipeline.config import ScoreConfig\n"
+                 "from dsv4batch.pipeline.stages.tokenize import Tokenize\n"
+                 "def g():\n    from dsv4batch.pipeline.runner import run\n")
+    assert violations(f, "dsv4batch.actors.x") == [
+        "dsv4batch.actors.x imports dsv4batch.pipeline.stages.tokenize (actors -> pipeline/stages)",
+        "dsv4batch.actors.x imports dsv4batch.pipeline.runner (actors -> pipeline/runner)"]
+    f.write_text("from dsv4batch.actors.score import ScoringActor\n")
+    assert violations(f, "dsv4batch.model.x") == [
+        "dsv4batch.model.x imports dsv4batch.actors.score (model -> actors)"]
     f.write_text("import dsv4batch.pipeline.errors\n")
     assert violations(f, "dsv4batch.model.x") == [
         "dsv4batch.model.x imports dsv4batch.pipeline.errors (model -> pipeline)"]
