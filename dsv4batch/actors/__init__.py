@@ -6,7 +6,7 @@
 group (`shards`), the actor's half of fault handling (`guard`), the hang `watchdog` and the
 Prometheus `telemetry`.
 
-The pipeline's driver places these actors (`pipeline.graph`); they import only the pipeline's
-shared leaf modules (`config`, `schema`, `errors`, `stats`) and the model, never the driver's
-(`graph`, `runner`, `metrics`, ...). Importing this package loads neither torch nor Ray.
+The pipeline's driver places these actors (`pipeline.graph`); they import only what a job is
+(`jobspec`: its config, schema, errors and statistics records) and the model, never the pipeline.
+Importing this package loads neither torch nor Ray.
 """

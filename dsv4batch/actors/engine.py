@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dsv4batch.actors.device import pick_device, torch_dtype
-from dsv4batch.pipeline.config import JobConfig
+from dsv4batch.jobspec.config import JobConfig
 
 
 def load_engine(config: JobConfig, num_gpus: float):

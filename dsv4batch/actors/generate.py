@@ -18,8 +18,8 @@ import time
 
 from dsv4batch.actors.replica import Answer, ReplicaActor
 from dsv4batch.actors.score import failed_rows, read_ids
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import GenerateConfig
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import GenerateConfig
 
 
 class GenerateActor(ReplicaActor):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from dsv4batch.pipeline.errors import TooManyErrors, row_error
+from dsv4batch.jobspec.errors import TooManyErrors, row_error
 
 DIED = "the scoring actor died (or hung past --batch-timeout-s) while scoring this batch"
 

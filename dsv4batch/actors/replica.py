@@ -23,10 +23,10 @@ from dsv4batch.actors.engine import load_engine
 from dsv4batch.actors.guard import BatchGuard
 from dsv4batch.actors.telemetry import ActorTelemetry
 from dsv4batch.actors.watchdog import Watchdog
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.errors import BatchError, ReplicaLost, row_error
+from dsv4batch.jobspec.stats import BatchStats
 from dsv4batch.model.stats import StepStats
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.errors import BatchError, ReplicaLost, row_error
-from dsv4batch.pipeline.stats import BatchStats
 
 
 @dataclass

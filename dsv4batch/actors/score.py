@@ -12,9 +12,9 @@ Loading, fault handling and statistics are the replica actor's (`actors/replica.
 from __future__ import annotations
 
 from dsv4batch.actors.replica import Answer, ReplicaActor
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import ScoreConfig
 from dsv4batch.model.stats import StepStats
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig
 
 
 class ScoringActor(ReplicaActor):

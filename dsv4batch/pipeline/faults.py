@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv4batch.pipeline.errors import RETRIED, JobFailed
+from dsv4batch.jobspec.errors import RETRIED, JobFailed
 
 MAX_EXAMPLES = 5
 KEEP = ("the rows written so far stay in OUTPUT; fix the cause and run again with --resume "

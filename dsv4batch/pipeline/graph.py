@@ -18,9 +18,9 @@ import math
 import warnings
 from typing import Any
 
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import GenerateConfig, JobConfig, ScoreConfig
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import GenerateConfig, JobConfig, ScoreConfig
+from dsv4batch.jobspec.errors import UsageError
 
 
 def resolve(config: JobConfig) -> JobConfig:

@@ -10,9 +10,9 @@ import torch
 
 from dsv4batch.actors.guard import batch_key
 from dsv4batch.actors.score import ScoringActor
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import BatchError, TooManyErrors
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import ScoreConfig
+from dsv4batch.jobspec.errors import BatchError, TooManyErrors
 from dsv4batch.pipeline.metrics import StatsCollector
 from dsv4batch.pipeline.stages.tokenize import Tokenize
 from tests.ties import ambiguous_greedy, assert_top_ids_match

@@ -15,11 +15,14 @@ from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.model.config import ATTN_BACKENDS, HEAD_PRECISIONS  # no torch
-from dsv4batch.pipeline.errors import UsageError
-from dsv4batch.pipeline.formats import FORMATS
 from dsv4batch.planner import PLANNER_NAMES  # numpy only: no torch
 
+# the input formats and their file extensions; openai-batch: JSONL request lines (`pipeline.openai_batch`),
+# only by --input-format (no extension of its own)
+FORMATS = {"parquet": (".parquet", ".pq", ".parq"), "json": (".jsonl", ".json"), "csv": (".csv",),
+           "openai-batch": ()}
 FORMAT_NAMES = tuple(FORMATS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHTS = ("stored", "compute")

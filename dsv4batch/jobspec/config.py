@@ -19,10 +19,10 @@ from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import field_validator, model_validator
 
-from dsv4batch.pipeline import openai_batch as OA
-from dsv4batch.pipeline.config_base import (GROUPS, MAX_GPU_MEMORY_GIB, MAX_MIB, JobConfig, _f, explain,
-                                            resolved_dtype)
-from dsv4batch.pipeline.schema import generate_output_names, output_names
+from dsv4batch.jobspec.config_base import (GROUPS, MAX_GPU_MEMORY_GIB, MAX_MIB, JobConfig, _f, explain,
+                                           resolved_dtype)
+from dsv4batch.jobspec.schema import (OPENAI_ID, OPENAI_LINE, OPENAI_REQUEST, OPENAI_SAMPLING, generate_output_names,
+                                      output_names)
 
 __all__ = ["GROUPS", "JOBS", "MAX_GPU_MEMORY_GIB", "GenerateConfig", "JobConfig", "ScoreConfig", "cli_fields",
            "explain", "resolved_dtype"]
@@ -131,14 +131,14 @@ class GenerateConfig(JobConfig):
     @classmethod
     def _openai_columns(cls, values):
         if isinstance(values, dict) and values.get("input_format") == "openai-batch":
-            values = {**values, "id_column": values.get("id_column", OA.ID),
-                      "text_column": values.get("text_column", OA.REQUEST)}
+            values = {**values, "id_column": values.get("id_column", OPENAI_ID),
+                      "text_column": values.get("text_column", OPENAI_REQUEST)}
         return values
 
     @model_validator(mode="after")
     def _check_sampling(self):
         self.sampling_defaults()  # the model's own checks (e.g. an empty stop string)
-        if self.is_openai and (self.id_column, self.text_column) != (OA.ID, OA.REQUEST):
+        if self.is_openai and (self.id_column, self.text_column) != (OPENAI_ID, OPENAI_REQUEST):
             raise ValueError("an openai-batch input's rows are its request lines: id_column and text_column "
                              "are set by it")
         if self.is_openai and (self.messages_column or self.sampling_params_column):
@@ -151,12 +151,12 @@ class GenerateConfig(JobConfig):
 
     @property
     def is_openai(self) -> bool:
-        """INPUT is an OpenAI batch file (`openai_batch`): its rows are request lines."""
+        """INPUT is an OpenAI batch file (`pipeline.openai_batch`): its rows are request lines."""
         return self.input_format == "openai-batch"
 
     def params_column(self) -> str | None:
         """The column of per-row sampling parameters the generation step reads (JSON objects)."""
-        return OA.SAMPLING if self.is_openai else self.sampling_params_column
+        return OPENAI_SAMPLING if self.is_openai else self.sampling_params_column
 
     def sampling_defaults(self):
         """The options as the model's `SamplingParams` (every row's defaults)."""
@@ -172,7 +172,7 @@ class GenerateConfig(JobConfig):
 
     def row_columns(self) -> tuple[str, ...]:
         if self.is_openai:
-            return (OA.LINE,)
+            return (OPENAI_LINE,)
         return (self.sampling_params_column,) if self.sampling_params_column else ()
 
     def output_columns(self, every: bool = False) -> list[str]:
