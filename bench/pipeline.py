@@ -37,7 +37,7 @@ def sample_rows(n: int):
 
 def bare_loop(engine, cfg, table, batch_size: int) -> dict:
     """Tokenize + score in-process, batch by batch, as the actor would see them."""
-    from dsv4batch.pipeline import schema as S
+    from dsv4batch.jobspec import schema as S
     from dsv4batch.pipeline.stages.tokenize import Tokenize
 
     tok = Tokenize(cfg)
@@ -86,8 +86,8 @@ def main(argv: list[str]) -> None:
     import ray
     import torch
 
+    from dsv4batch.jobspec.config import ScoreConfig
     from dsv4batch.model import Engine, EngineConfig
-    from dsv4batch.pipeline.config import ScoreConfig
 
     threads = args.torch_threads
     torch.set_num_threads(threads)

@@ -73,8 +73,8 @@ def measure(num_requests: int, repeats: int) -> dict:
 
     import numpy as np
 
-    from dsv4batch.pipeline.config import ScoreConfig
-    from dsv4batch.pipeline.stages.shards import ShardedEngine
+    from dsv4batch.actors.shards import ShardedEngine
+    from dsv4batch.jobspec.config import ScoreConfig
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(64, 512, num_requests).tolist()

@@ -46,8 +46,8 @@ import time
 import numpy as np
 
 from bench.common import emit
+from dsv4batch.actors.score import ScoringActor
 from dsv4batch.model.stats import StepStats
-from dsv4batch.pipeline.stages.score import ScoringActor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE_ROWS = 100_000
@@ -191,7 +191,7 @@ def _ray(cpus: int) -> None:
 def child_run(mode: str, src: str, out: str, batch_size: int, block_mib: float | None,
               buffer_mib: float | None) -> dict:
     """One pipeline run in this (fresh) process: rows/s and peak memory."""
-    from dsv4batch.pipeline.config import ScoreConfig
+    from dsv4batch.jobspec.config import ScoreConfig
     from dsv4batch.pipeline.graph import resolve, score
     from dsv4batch.pipeline.metrics import start_collector
     from dsv4batch.pipeline.read import check_input, inspect_input, read
@@ -228,7 +228,7 @@ def child_run(mode: str, src: str, out: str, batch_size: int, block_mib: float |
 
 def child_scan(src: str, out: str) -> dict:
     """The --resume id scan over INPUT and the ids OUTPUT holds: time and driver memory."""
-    from dsv4batch.pipeline.config import ScoreConfig
+    from dsv4batch.jobspec.config import ScoreConfig
     from dsv4batch.pipeline.fs import open_fs
     from dsv4batch.pipeline.ids.scan import scan_ids
     from dsv4batch.pipeline.output import finished_parts

@@ -42,8 +42,8 @@ from lm_eval.api.registry import register_model
 from dsv4batch.eval import generation
 from dsv4batch.eval.scorer import make_scorer
 from dsv4batch.eval.tokens import EvalTokenizer
+from dsv4batch.jobspec.config import ScoreConfig
 from dsv4batch.model import chat
-from dsv4batch.pipeline.config import ScoreConfig
 
 log = logging.getLogger(__name__)
 

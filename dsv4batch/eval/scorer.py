@@ -26,7 +26,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.jobspec.config import ScoreConfig
 
 Request = tuple[list[int], int]  # (the ids fed, how many trailing ids are scored)
 SAMPLING_COLUMN = "sampling_params"  # the Ray rows' JSON sampling parameters
@@ -102,7 +102,7 @@ class LocalScorer(Scorer):
         super().__init__(config, log)
         import torch
 
-        from dsv4batch.pipeline.stages.replica import load_engine
+        from dsv4batch.actors.engine import load_engine
 
         gpus = 1.0 if torch.cuda.is_available() and not (device or "").startswith("cpu") else 0.0
         self.engine, self.device, self.dtype = load_engine(config, gpus)
@@ -146,7 +146,7 @@ class RayScorer(Scorer):
     def _score(self, requests: list[Request]) -> list[tuple[float, bool]]:
         import pyarrow as pa
 
-        from dsv4batch.pipeline import schema as S
+        from dsv4batch.jobspec import schema as S
         from dsv4batch.pipeline.graph import score_tokenized
 
         table = _requests_table([ids for ids, _ in requests],
@@ -174,7 +174,7 @@ class RayScorer(Scorer):
         `RuntimeError` for a request that comes back with an error or not at all."""
         import ray
 
-        from dsv4batch.pipeline import schema as S
+        from dsv4batch.jobspec import schema as S
         from dsv4batch.pipeline.metrics import start_collector
 
         rows = self.config.batch_size * 4
@@ -193,7 +193,7 @@ class RayScorer(Scorer):
         finally:
             ray.kill(collector)
             if self.config.tp > 1:
-                from dsv4batch.pipeline.stages.shards import release_groups
+                from dsv4batch.actors.shards import release_groups
 
                 release_groups()  # this call's replicas are done: free their GPUs for the next
         missing = [i for i, o in enumerate(out) if o is None]
@@ -213,7 +213,7 @@ def _requests_table(id_lists: list[list[int]], columns: dict):
     import numpy as np
     import pyarrow as pa
 
-    from dsv4batch.pipeline import schema as S
+    from dsv4batch.jobspec import schema as S
 
     offsets = np.zeros(len(id_lists) + 1, np.int32)
     np.cumsum([len(ids) for ids in id_lists], out=offsets[1:])
@@ -226,7 +226,7 @@ def _requests_table(id_lists: list[list[int]], columns: dict):
 def generate_config(config: ScoreConfig):
     """The `GenerateConfig` of the generation stage: `config`'s shared fields (model, engine,
     resources), sampling parameters per row in `SAMPLING_COLUMN`."""
-    from dsv4batch.pipeline.config import GenerateConfig, JobConfig
+    from dsv4batch.jobspec.config import GenerateConfig, JobConfig
 
     shared = {k: v for k, v in config.to_dict().items() if k in JobConfig.model_fields}
     return GenerateConfig(**shared, sampling_params_column=SAMPLING_COLUMN)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import typing
 
-from dsv4batch.pipeline.config import GROUPS, JOBS, MAX_GPU_MEMORY_GIB, ScoreConfig, cli_fields
+from dsv4batch.jobspec.config import GROUPS, JOBS, MAX_GPU_MEMORY_GIB, ScoreConfig, cli_fields
 
 POSITIONAL = ("input", "output")
 DESCRIPTIONS = {

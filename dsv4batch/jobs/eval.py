@@ -89,7 +89,7 @@ def check_tasks(names: list[str], manager) -> None:
     """Unknown names are a `UsageError` (before the model loads)."""
     import difflib
 
-    from dsv4batch.pipeline.errors import UsageError
+    from dsv4batch.jobspec.errors import UsageError
 
     known = set(manager.all_tasks)
     unknown = [n for n in names if n not in known and not os.path.exists(n)]
@@ -103,7 +103,7 @@ def check_tasks(names: list[str], manager) -> None:
 def multiturn(args) -> bool:
     """--fewshot-as-multiturn, defaulting to --apply-chat-template (lm-eval's CLI rule);
     `UsageError` when asked for without a chat template."""
-    from dsv4batch.pipeline.errors import UsageError
+    from dsv4batch.jobspec.errors import UsageError
 
     if args.fewshot_as_multiturn and not args.apply_chat_template:
         raise UsageError("--fewshot-as-multiturn needs --apply-chat-template")
@@ -116,7 +116,7 @@ def check_gen_kwargs(text: str | None) -> None:
     from lm_eval.utils import simple_parse_args_string
 
     from dsv4batch.eval.generation import DEFAULT_MAX_GEN_TOKS, parse_gen_kwargs
-    from dsv4batch.pipeline.errors import UsageError
+    from dsv4batch.jobspec.errors import UsageError
 
     if not text:
         return
@@ -167,7 +167,7 @@ def evaluate(args, log) -> dict:
 
 def main(argv: list[str]) -> int:
     """`dsv4batch eval ARGS` (argv without "eval"); returns the exit code."""
-    from dsv4batch.pipeline.errors import UsageError, one_line
+    from dsv4batch.jobspec.errors import UsageError, one_line
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

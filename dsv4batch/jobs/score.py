@@ -26,7 +26,7 @@ def _terminate(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     from dsv4batch.jobs.cli import parse_config
     from dsv4batch.jobs.report import trace_file
-    from dsv4batch.pipeline.errors import JobFailed, UsageError, one_line
+    from dsv4batch.jobspec.errors import JobFailed, UsageError, one_line
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:  # `dsv4batch plan ...`: the capacity plan, no Ray, no scoring

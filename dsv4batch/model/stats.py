@@ -1,7 +1,7 @@
 """Step statistics: small typed records summed in one place (`Stats.__add__`), no torch.
 
 A field sums unless its metadata names another reduction (`max` for peaks, `min`/`max` for
-first/last times); `None` counts as "not seen" for min/max. `dsv4batch.pipeline.stats` extends
+first/last times); `None` counts as "not seen" for min/max. `dsv4batch.jobspec.stats` extends
 `StepStats` with per-batch row counts, so the engine, the scoring stage, the driver's collector
 and the summary all use one set of names.
 """

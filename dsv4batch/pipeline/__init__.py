@@ -7,8 +7,8 @@ token-id requests; `run(config)` is the whole job behind `dsv4batch score|genera
 process, write, metrics). Ray and torch are imported only when these are called.
 """
 
-from dsv4batch.pipeline.config import GenerateConfig, ScoreConfig
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec.config import GenerateConfig, ScoreConfig
+from dsv4batch.jobspec.errors import UsageError
 
 __all__ = ["GenerateConfig", "ScoreConfig", "UsageError", "generate", "generate_tokenized", "run",
            "score", "score_tokenized"]

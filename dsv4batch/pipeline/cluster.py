@@ -29,7 +29,7 @@ def probe(address: str, timeout_s: float = 10.0) -> None:
     retry the connection for minutes, printing warnings."""
     import socket
 
-    from dsv4batch.pipeline.errors import UsageError
+    from dsv4batch.jobspec.errors import UsageError
 
     hostport = address.split("://", 1)[-1].rstrip("/")
     host, sep, port = hostport.rpartition(":")

@@ -32,11 +32,9 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec.config_base import FORMATS
+from dsv4batch.jobspec.errors import UsageError
 
-# openai-batch: JSONL request lines (`openai_batch`), only by --input-format (no extension of its own)
-FORMATS = {"parquet": (".parquet", ".pq", ".parq"), "json": (".jsonl", ".json"), "csv": (".csv",),
-           "openai-batch": ()}
 NAMES = {"parquet": "Parquet", "json": "JSONL", "csv": "CSV", "openai-batch": "OpenAI batch"}
 CHUNK_BYTES = 8 << 20  # JSONL: whole lines parsed per pyarrow call (what the driver holds)
 CSV_BLOCK_BYTES = 1 << 20  # CSV: pyarrow's read block (types are inferred from the first one)
@@ -81,7 +79,7 @@ def csv_options(text_columns=(), columns=None) -> dict:
 def decode_text(table, text_columns):
     """`table` with its `text_columns` (those it has) as strings by the invalid-text rule
     (`schema.utf8_text`): a CSV block as the pipeline reads it."""
-    from dsv4batch.pipeline.schema import utf8_text
+    from dsv4batch.jobspec.schema import utf8_text
 
     for c in text_columns:
         i = table.schema.get_field_index(c) if c else -1

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, NamedTuple
 
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec.errors import UsageError
 
 
 def open_fs(path: str):

@@ -18,9 +18,9 @@ import math
 import warnings
 from typing import Any
 
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import GenerateConfig, JobConfig, ScoreConfig
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import GenerateConfig, JobConfig, ScoreConfig
+from dsv4batch.jobspec.errors import UsageError
 
 
 def resolve(config: JobConfig) -> JobConfig:
@@ -227,7 +227,7 @@ def score_tokenized(dataset, config: ScoreConfig, *, stats: Any = None,
     with `truncate` other than none also `schema.NUM_TRUNCATED`. Returns one output row per
     request, as `score` does (`config.text_column` etc. are not used).
     """
-    from dsv4batch.pipeline.stages.score import ScoringActor
+    from dsv4batch.actors.score import ScoringActor
 
     config, stats = _prepare(dataset, config, stats)
     _check_schema(dataset, ScoringActor.spec(config).reads)
@@ -244,7 +244,7 @@ def generate_tokenized(dataset, config: GenerateConfig, *, stats: Any = None,
     config's sampling options; give each row its `seed` to make it independent of the run's).
     Returns one output row per request, as `generate` does.
     """
-    from dsv4batch.pipeline.stages.generate import GenerateActor
+    from dsv4batch.actors.generate import GenerateActor
 
     config, stats = _prepare(dataset, _task(config, GenerateConfig), stats)
     _check_schema(dataset, GenerateActor.spec(config).reads)
@@ -275,8 +275,8 @@ def _replicas(tokenized, config: JobConfig, stats, actor):
     GPU reserved): its `ShardedEngine` places the ranks in a placement group."""
     from ray.data import ActorPoolStrategy
 
-    from dsv4batch.pipeline.stages.generate import GenerateActor
-    from dsv4batch.pipeline.stages.score import ScoringActor
+    from dsv4batch.actors.generate import GenerateActor
+    from dsv4batch.actors.score import ScoringActor
 
     if actor is None:
         actor = GenerateActor if config.task == "generate" else ScoringActor

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.pipeline.output import LEASE, staged
 
 TTL_S = 60.0

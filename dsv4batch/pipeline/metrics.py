@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from dsv4batch.jobspec.stats import BatchStats, Written
 from dsv4batch.pipeline.faults import BatchLedger
-from dsv4batch.pipeline.stats import BatchStats, Written
 
 
 class StatsCollector(BatchLedger):

@@ -24,13 +24,13 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator
 
-from dsv4batch.pipeline.schema import ID as ROW_ID
-from dsv4batch.pipeline.schema import OPENAI_ID as ID
-from dsv4batch.pipeline.schema import OPENAI_LINE as LINE
-from dsv4batch.pipeline.schema import OPENAI_META as META
-from dsv4batch.pipeline.schema import OPENAI_REQUEST as REQUEST
-from dsv4batch.pipeline.schema import OPENAI_SAMPLING as SAMPLING
-from dsv4batch.pipeline.schema import OPENAI_STATUS as STATUS
+from dsv4batch.jobspec.schema import ID as ROW_ID
+from dsv4batch.jobspec.schema import OPENAI_ID as ID
+from dsv4batch.jobspec.schema import OPENAI_LINE as LINE
+from dsv4batch.jobspec.schema import OPENAI_META as META
+from dsv4batch.jobspec.schema import OPENAI_REQUEST as REQUEST
+from dsv4batch.jobspec.schema import OPENAI_SAMPLING as SAMPLING
+from dsv4batch.jobspec.schema import OPENAI_STATUS as STATUS
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 HARMLESS = {"model", "user", "metadata", "store", "stream", "service_tier"}

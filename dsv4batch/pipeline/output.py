@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.pipeline.fs import open_fs, read_footers
 
 JOB, METRICS, SUCCESS, LEASE = "_job.json", "_metrics.json", "_SUCCESS", "_lease.json"

@@ -22,10 +22,11 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import JobConfig
+from dsv4batch.jobspec.config_base import FORMATS
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.pipeline import formats as F
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import JobConfig
-from dsv4batch.pipeline.errors import UsageError
 from dsv4batch.pipeline.fs import open_fs, read_footers
 from dsv4batch.pipeline.ids.derive import relative
 
@@ -46,7 +47,7 @@ class InputInfo:
     fingerprints: list[dict] | None = None  # per file: path (relative to root), size, rows,
     # and the footer digest (Parquet) or the content digest (JSONL, CSV)
     id_type: Any = None  # the ids' one type over all files (set by check_input)
-    format: str = "parquet"  # one of formats.FORMATS
+    format: str = "parquet"  # one of config_base.FORMATS
     text_columns: tuple = ()  # CSV: columns read as text (`formats.decode_text`): the tokenizer's
     longest_line: int = 0  # JSONL: the longest line over all files, in bytes
 
@@ -75,7 +76,7 @@ def _one_format(path: str, files: list[str], given: str | None) -> str:
         kinds.setdefault(F.format_of(f), f)
     if None in kinds:
         raise UsageError(f"cannot tell the format of INPUT file {kinds[None]!r} from its name "
-                         f"(known: {', '.join(e for x in F.FORMATS.values() for e in x)}); "
+                         f"(known: {', '.join(e for x in FORMATS.values() for e in x)}); "
                          "pass --input-format parquet|json|csv")
     if len(kinds) > 1:
         seen = ", ".join(f"{F.NAMES[k]} ({f!r})" for k, f in kinds.items())
@@ -96,7 +97,7 @@ def _match(parts: list[str], pats: list[str]) -> bool:
 def inspect_input(path: str, exclude: str | None = None, input_format: str | None = None,
                   text_columns: tuple = ()) -> InputInfo:
     """INPUT's files, format, schemas and fingerprints; `exclude`: OUTPUT, never read as
-    input; `input_format`: None (by extension) or a key of `formats.FORMATS`; `text_columns`:
+    input; `input_format`: None (by extension) or a key of `config_base.FORMATS`; `text_columns`:
     read as strings from CSV (the configured text and target columns)."""
     import pyarrow.fs as pafs
 

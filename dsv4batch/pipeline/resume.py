@@ -16,9 +16,9 @@ the Ray Data id scan (`ids.scan`).
 
 from __future__ import annotations
 
+from dsv4batch.jobspec.config import JobConfig
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.pipeline import output as O
-from dsv4batch.pipeline.config import JobConfig
-from dsv4batch.pipeline.errors import UsageError
 
 
 def check_config(job: dict, config: JobConfig, log=None) -> dict:

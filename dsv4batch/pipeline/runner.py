@@ -20,10 +20,10 @@ import time
 import uuid
 
 from dsv4batch import __version__
+from dsv4batch.jobspec.config import JobConfig
+from dsv4batch.jobspec.errors import JobFailed, RowCountError, UsageError
+from dsv4batch.jobspec.stats import Written
 from dsv4batch.pipeline import output as O
-from dsv4batch.pipeline.config import JobConfig
-from dsv4batch.pipeline.errors import JobFailed, RowCountError, UsageError
-from dsv4batch.pipeline.stats import Written
 
 VERBS = {"score": "scoring", "generate": "generating"}
 
@@ -73,7 +73,7 @@ def run(config: JobConfig, *, log=None) -> dict:
 
 def _run(config: JobConfig, info, start: dict, log) -> dict:
     """The run after the driver's checks; `start`: {"run_id", "tokenizer": its record}."""
-    from dsv4batch.pipeline import schema as S
+    from dsv4batch.jobspec import schema as S
     from dsv4batch.pipeline.resume import check_config, check_inputs, check_tokenizer
 
     state = O.inspect_output(config.output, config.overwrite, config.resume)
@@ -112,11 +112,11 @@ def _start(config: JobConfig, info, state, job: dict, start: dict) -> None:
 def _score(config: JobConfig, info, state, job: dict, parts, run: dict, start: dict, log) -> dict:
     import ray
 
+    from dsv4batch.actors.shards import release_groups
     from dsv4batch.pipeline.cluster import configure_data_context, connect
     from dsv4batch.pipeline.faults import explain_failure
     from dsv4batch.pipeline.fs import open_fs
     from dsv4batch.pipeline.graph import check_capacity, process, resolve
-    from dsv4batch.pipeline.stages.shards import release_groups
     from dsv4batch.pipeline.ids.scan import scan_ids
     from dsv4batch.pipeline.metrics import start_collector
     from dsv4batch.pipeline.progress import Progress
@@ -220,7 +220,7 @@ def _empty_table(config: JobConfig, info):
     """A 0-row part file with the output schema, so readers of an empty result get columns."""
     import pyarrow as pa
 
-    from dsv4batch.pipeline import schema as S
+    from dsv4batch.jobspec import schema as S
 
     keep = [info.schema.field(c) for c in config.keep_columns]
     return S.config_schema(config, info.id_type or pa.string(), keep).empty_table()

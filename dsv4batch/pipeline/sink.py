@@ -12,9 +12,9 @@ import uuid
 
 from ray.data.datasource import Datasink
 
+from dsv4batch.jobspec.stats import Written
 from dsv4batch.pipeline import output as O
 from dsv4batch.pipeline.fs import open_fs
-from dsv4batch.pipeline.stats import Written
 
 
 class ParquetPartSink(Datasink):

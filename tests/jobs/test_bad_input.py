@@ -244,8 +244,8 @@ def test_i_nan_weights_stop_the_job_at_the_first_actor(tmp_path, capsys, checkpo
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_f_truncate_scores_the_kept_end(checkpoint, engine, side):
-    from dsv4batch.pipeline.config import ScoreConfig
-    from dsv4batch.pipeline.stages.score import ScoringActor
+    from dsv4batch.actors.score import ScoringActor
+    from dsv4batch.jobspec.config import ScoreConfig
     from dsv4batch.pipeline.stages.tokenize import Tokenize
 
     cfg = ScoreConfig(model=checkpoint, max_model_len=16, truncate=side)

@@ -86,7 +86,7 @@ def test_killed_driver_then_resume_scores_only_the_missing_rows(tmp_path, checkp
 def test_resume_read_streams_only_the_rows_left(tmp_path, local_ray, with_ids):
     """The read a resumed run scores: written rows dropped in the read tasks (by position), a
     file with every row written not read at all, the same columns as a fresh read."""
-    from dsv4batch.pipeline.config import ScoreConfig
+    from dsv4batch.jobspec.config import ScoreConfig
     from dsv4batch.pipeline.ids.rowset import KEY_SHIFT, RowBitmap
     from dsv4batch.pipeline.read import inspect_input, read
 

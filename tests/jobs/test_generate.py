@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dsv4batch.actors.generate import row_seed
 from dsv4batch.jobs.score import main
 from dsv4batch.model.sampling import SamplingParams
-from dsv4batch.pipeline.stages.generate import row_seed
 from tests.jobs.conftest import FAST, REPO, SMALL_PARTS, alive_pipeline_actors, part_rows, parts, wait_for, write_input
 
 pytestmark = pytest.mark.usefixtures("local_ray")

@@ -119,7 +119,7 @@ def test_f9_an_unreachable_ray_address_fails_fast(tmp_path, run_cli):
 
 
 def test_f1_a_stale_lease_is_taken_over_and_a_live_one_refuses(tmp_path, capsys):
-    from dsv4batch.pipeline.errors import UsageError
+    from dsv4batch.jobspec.errors import UsageError
     from dsv4batch.pipeline.fs import open_fs
     from dsv4batch.pipeline.lease import Lease
 

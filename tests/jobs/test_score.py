@@ -146,10 +146,10 @@ def test_usage_errors_exit_2_before_scoring(tmp_path, capsys):
 def test_collector_progress_and_actor_metrics(capsys):
     import ray
 
+    from dsv4batch.actors.telemetry import ActorTelemetry
+    from dsv4batch.jobspec.stats import BatchStats
     from dsv4batch.pipeline.metrics import start_collector
     from dsv4batch.pipeline.progress import Progress
-    from dsv4batch.pipeline.stages.telemetry import ActorTelemetry
-    from dsv4batch.pipeline.stats import BatchStats
 
     stats = BatchStats(t_first=1.0, t_last=2.0, busy_s=1.0, batches=1, rows=4, rows_scored=3,
                        rows_errored=1, input_tokens=40, scored_tokens=36, forward_s=0.9,

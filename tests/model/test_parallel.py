@@ -1,6 +1,6 @@
 """Tensor/expert parallel splits without processes: each rank's tensors (shapes, bytes, values
 read from the checkpoint's slices) against the whole model; refusals naming the config field.
-The collectives themselves run in tests/pipeline/stages/test_shards.py (gloo, Ray)."""
+The collectives themselves run in tests/actors/test_shards.py (gloo, Ray)."""
 
 import pytest
 import torch

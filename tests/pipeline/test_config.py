@@ -4,8 +4,8 @@
 import pytest
 
 from dsv4batch.jobs.cli import build_parser, parse_config
-from dsv4batch.pipeline.config import GenerateConfig, ScoreConfig, cli_fields
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec.config import GenerateConfig, ScoreConfig, cli_fields
+from dsv4batch.jobspec.errors import UsageError
 
 
 @pytest.mark.parametrize("cls", [ScoreConfig, GenerateConfig])

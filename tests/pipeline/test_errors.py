@@ -1,6 +1,6 @@
 """Errors as the user reads them: one line, Ray's wrappers unwrapped, no colour codes."""
 
-from dsv4batch.pipeline.errors import one_line, row_error
+from dsv4batch.jobspec.errors import one_line, row_error
 
 
 def test_one_line_unwraps_causes_and_drops_colour_codes():

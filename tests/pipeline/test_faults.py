@@ -24,8 +24,9 @@ def test_batch_ledger_counts_attempts_and_stops_past_the_limit():
 def test_explain_failure_by_records_and_exception_type():
     from ray.exceptions import ActorDiedError
 
-    from dsv4batch.pipeline.errors import JobFailed, row_error
-    from dsv4batch.pipeline.faults import BatchGuard, explain_failure
+    from dsv4batch.actors.guard import BatchGuard
+    from dsv4batch.jobspec.errors import JobFailed, row_error
+    from dsv4batch.pipeline.faults import explain_failure
 
     ledger = BatchLedger(max_failed_rows=0)
     guard = BatchGuard(Handle(ledger), max_attempts=2)

@@ -10,9 +10,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
+from dsv4batch.jobspec.config import ScoreConfig
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.pipeline import formats as F
-from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import UsageError
 from dsv4batch.pipeline.ids.hashing import row_hash, row_index
 from dsv4batch.pipeline.read import check_input, inspect_input, read
 

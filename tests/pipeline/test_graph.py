@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dsv4batch.pipeline.config import ScoreConfig
+from dsv4batch.jobspec.config import ScoreConfig
 from dsv4batch.pipeline.graph import score
 from dsv4batch.pipeline.read import inspect_input, read
 
@@ -44,7 +44,7 @@ def test_buffer_default_scales_with_replicas():
 
 
 def test_capacity_check_refuses_a_replica_that_cannot_fit():
-    from dsv4batch.pipeline.errors import UsageError
+    from dsv4batch.jobspec.errors import UsageError
     from dsv4batch.pipeline.graph import check_capacity
 
     notes = []

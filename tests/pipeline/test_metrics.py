@@ -1,7 +1,7 @@
 """The `_metrics.json` summary from collector snapshots and sink counts (pure functions)."""
 
+from dsv4batch.jobspec.stats import BatchStats, Written
 from dsv4batch.pipeline.metrics import StatsCollector, format_summary, summarize
-from dsv4batch.pipeline.stats import BatchStats, Written
 
 
 def batch(t0, rows, tokens, **kw):

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dsv4batch.jobspec.config import ScoreConfig
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.pipeline import output as O
-from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import UsageError
 
 
 PART = "part-0123abcd-000000.parquet"

@@ -4,8 +4,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec.config import ScoreConfig
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.pipeline.read import check_input, inspect_input
 
 

@@ -4,8 +4,8 @@ CPU for Ray Data's read/write tasks, and only what cannot run is refused."""
 
 import pytest
 
-from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec.config import ScoreConfig
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.pipeline.graph import fit_to_cluster
 
 

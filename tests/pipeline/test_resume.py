@@ -2,8 +2,8 @@
 
 import pytest
 
-from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec.config import ScoreConfig
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.pipeline.resume import check_compute, check_config, check_inputs
 
 

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dsv4batch.pipeline import schema as S
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.stats import Written
 from dsv4batch.pipeline.sink import ParquetPartSink
-from dsv4batch.pipeline.stats import Written
 
 
 def test_sink_writes_through_temp_names(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import posixpath
 
-from dsv4batch.pipeline import schema as S
+from dsv4batch.jobspec import schema as S
 from dsv4batch.pipeline.ids.hashing import row_index
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import math
 
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import JobConfig
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import JobConfig
+from dsv4batch.jobspec.errors import UsageError
 from dsv4batch.pipeline.ids.derive import derived_ids, relative
 from dsv4batch.pipeline.ids.hashing import mix64
 from dsv4batch.pipeline.ids.rowset import KEY_SHIFT, Pending, RowBitmap

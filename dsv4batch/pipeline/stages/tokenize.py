@@ -16,11 +16,11 @@ import json
 import time
 from typing import Any
 
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import JobConfig
 from dsv4batch.model import chat
 from dsv4batch.model.chat import ChatError
 from dsv4batch.pipeline import openai_batch
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import JobConfig
 
 
 # a row's text that could not be made: its error's prefix, by the problem's type

@@ -3,9 +3,9 @@
 import pyarrow as pa
 import pytest
 
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import ScoreConfig
 from dsv4batch.model.tokenizer import load_tokenizer
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig
 from dsv4batch.pipeline.stages.tokenize import Tokenize
 
 
@@ -82,8 +82,8 @@ def test_tokenize_binary_and_invalid_utf8_text(tok):
 
 
 def test_conversations_render_with_the_chat_encoding(tok):
+    from dsv4batch.jobspec.config import GenerateConfig
     from dsv4batch.model.chat import render, split_last
-    from dsv4batch.pipeline.config import GenerateConfig
 
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     batch = pa.table({"id": [1, 2, 3], "conv": [chat, chat[:1], [{"role": "bot", "content": "x"}]]})

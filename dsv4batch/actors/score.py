@@ -6,15 +6,15 @@ with planned prefill chunks (`Engine.score_details`: per position the logprob, w
 was the argmax, and the top `--top-logprobs` tokens), and returns one output row per input row.
 A row whose scores are not finite gets the engine's error ("non-finite logits at position N")
 instead of NaN scores: a failed row (`failed_rows`).
-Loading, fault handling and statistics are the replica actor's (`stages/actor.py`).
+Loading, fault handling and statistics are the replica actor's (`actors/replica.py`).
 """
 
 from __future__ import annotations
 
+from dsv4batch.actors.replica import Answer, ReplicaActor
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import ScoreConfig
 from dsv4batch.model.stats import StepStats
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.stages.actor import Answer, ReplicaActor
 
 
 class ScoringActor(ReplicaActor):

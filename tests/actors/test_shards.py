@@ -7,13 +7,13 @@ import signal
 import numpy as np
 import pytest
 
+from dsv4batch.actors.shards import ShardedEngine, release_groups
+from dsv4batch.jobspec.config import ScoreConfig
+from dsv4batch.jobspec.errors import ReplicaLost
 from dsv4batch.model import Engine, EngineConfig
 from dsv4batch.model.loader import meta_model
 from dsv4batch.model.model import model_tensors
 from dsv4batch.model.parallel import split_of
-from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import ReplicaLost
-from dsv4batch.pipeline.stages.shards import ShardedEngine, release_groups
 from tests.model_factory import make_hf_checkpoint
 from tests.ties import assert_greedy_match, assert_top_ids_match
 

@@ -7,7 +7,7 @@ import sys
 
 CODE = """
 import sys, time
-from dsv4batch.pipeline.stages.watchdog import Watchdog
+from dsv4batch.actors.watchdog import Watchdog
 dog = Watchdog(float(sys.argv[1]))
 dog.busy()
 time.sleep(float(sys.argv[2]))

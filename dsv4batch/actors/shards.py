@@ -26,9 +26,9 @@ from __future__ import annotations
 import os
 import time
 
-from dsv4batch.pipeline.config import JobConfig
-from dsv4batch.pipeline.errors import ReplicaLost, one_line
-from dsv4batch.pipeline.stages.device import pick_device, torch_dtype
+from dsv4batch.actors.device import pick_device, torch_dtype
+from dsv4batch.jobspec.config import JobConfig
+from dsv4batch.jobspec.errors import ReplicaLost, one_line
 
 
 class RankWorker:

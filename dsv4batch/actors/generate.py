@@ -16,10 +16,10 @@ import hashlib
 import json
 import time
 
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import GenerateConfig
-from dsv4batch.pipeline.stages.actor import Answer, ReplicaActor
-from dsv4batch.pipeline.stages.score import failed_rows, read_ids
+from dsv4batch.actors.replica import Answer, ReplicaActor
+from dsv4batch.actors.score import failed_rows, read_ids
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import GenerateConfig
 
 
 class GenerateActor(ReplicaActor):
@@ -149,7 +149,7 @@ def build_output(batch, results: list, errors: list, config: GenerateConfig):
     import numpy as np
     import pyarrow as pa
 
-    from dsv4batch.pipeline.stages.score import nested
+    from dsv4batch.actors.score import nested
 
     ok = [r if e is None else None for r, e in zip(results, errors)]
     cols = {

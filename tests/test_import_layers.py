@@ -1,8 +1,12 @@
-"""The layering, read from the imports: jobs -> (eval ->) pipeline -> (stages ->) model ->
-planner/kernels.
+"""The layering, read from the imports: jobs -> (eval ->) pipeline -> actors -> jobspec -> model ->
+planner/kernels; nothing imports upward.
 
 Every `import` and `from ... import` in the package (lazy ones inside functions included) is
-read with `ast`; an import that runs against the flow fails with the file and the name.
+read with `ast`; an import that runs against the flow fails with the file and the name. `jobspec`
+(what a job is: its config, columns, errors, statistics records) is what the driver and the
+replica actors share, below both. One part reaches into the pipeline, and only into its shared
+modules: its per-row `stages` (peers of the driver's modules), never the driver's own (`graph`,
+`runner`, `metrics`, ...).
 """
 
 import ast
@@ -16,18 +20,23 @@ ALLOWED = {
     "planner": set(),
     "kernels": set(),
     "model": {"planner", "kernels"},
+    # what a job is (config, columns, errors, statistics): the model's torch-free config and stats, the planners' names
+    "jobspec": {"model", "planner"},
+    # the replica actors: what a job is, and the model
+    "actors": {"jobspec", "model", "planner", "kernels"},
     # the stages are peers: they share the pipeline's common modules, never the driver's
-    "pipeline/stages": {"model", "planner", "kernels", "pipeline/config", "pipeline/schema",
-                        "pipeline/errors", "pipeline/faults", "pipeline/stats", "pipeline/openai_batch"},
-    "pipeline": {"model", "planner", "kernels", "pipeline/stages"},
-    # the lm-eval backend: a client of the pipeline (and its scoring stage) and the model
-    "eval": {"pipeline", "pipeline/stages", "model", "planner", "kernels"},
-    "jobs": {"eval", "pipeline", "pipeline/stages", "model", "planner", "kernels"},
+    "pipeline/stages": {"jobspec", "model", "planner", "kernels", "pipeline/openai_batch"},
+    "pipeline": {"actors", "jobspec", "model", "planner", "kernels", "pipeline/stages"},
+    # the lm-eval backend: a client of the pipeline (and its replica loader) and the model
+    "eval": {"pipeline", "pipeline/stages", "actors", "jobspec", "model", "planner", "kernels"},
+    "jobs": {"eval", "pipeline", "pipeline/stages", "actors", "jobspec", "model", "planner", "kernels"},
 }
+# parts that may reach into the pipeline only module by module (its shared modules, listed above)
+LEAF_CLIENTS = ("pipeline/stages",)
 
 
 def part_of(module: str) -> str | None:
-    """'dsv4batch.pipeline.stages.score' -> 'pipeline/stages'; the part it belongs to."""
+    """'dsv4batch.pipeline.stages.tokenize' -> 'pipeline/stages'; the part it belongs to."""
     parts = module.split(".")[1:]
     if parts[:2] == ["pipeline", "stages"]:
         return "pipeline/stages"
@@ -63,7 +72,7 @@ def violations(path: pathlib.Path, module: str) -> list[str]:
         target = part_of(name) if name.startswith("dsv4batch.") else None
         if target is None or target == mine:
             continue
-        if mine == "pipeline/stages" and target == "pipeline":
+        if mine in LEAF_CLIENTS and target == "pipeline":
             target = "pipeline/" + (name.split(".") + ["__init__"])[2]
         if target not in ALLOWED[mine]:
             bad.append(f"{module} imports {name} ({mine} -> {target})")
@@ -82,7 +91,7 @@ def test_imports_follow_the_flow(path):
 
 def test_the_rule_catches_imports_against_the_flow(tmp_path):
     f = tmp_path / "x.py"
-    f.write_text("from dsv4batch.pipeline.config import ScoreConfig\n"
+    f.write_text("from dsv4batch.jobspec.config import ScoreConfig\n"
                  "def g():\n    from dsv4batch.pipeline import graph\n"
                  "    from ..metrics import start_collector\n")
     assert violations(f, "dsv4batch.pipeline.stages.x") == [
@@ -90,6 +99,21 @@ def test_the_rule_catches_imports_against_the_flow(tmp_path):
         "(pipeline/stages -> pipeline/graph)",
         "dsv4batch.pipeline.stages.x imports dsv4batch.pipeline.metrics "
         "(pipeline/stages -> pipeline/metrics)"]
-    f.write_text("import dsv4batch.pipeline.errors\n")
+    f.write_text("from dsv4batch.jobspec.config import ScoreConfig\n"
+                 "from dsv4batch.pipeline.stages.tokenize import Tokenize\n"
+                 "def g():\n    from dsv4batch.pipeline.runner import run\n")
+    assert violations(f, "dsv4batch.actors.x") == [
+        "dsv4batch.actors.x imports dsv4batch.pipeline.stages.tokenize (actors -> pipeline/stages)",
+        "dsv4batch.actors.x imports dsv4batch.pipeline.runner (actors -> pipeline)"]
+    f.write_text("from dsv4batch.model.config import ATTN_BACKENDS\n"
+                 "from dsv4batch.pipeline.formats import FORMATS\n"
+                 "def g():\n    from dsv4batch.actors.guard import Guard\n")
+    assert violations(f, "dsv4batch.jobspec.x") == [
+        "dsv4batch.jobspec.x imports dsv4batch.pipeline.formats (jobspec -> pipeline)",
+        "dsv4batch.jobspec.x imports dsv4batch.actors.guard (jobspec -> actors)"]
+    f.write_text("from dsv4batch.actors.score import ScoringActor\n")
     assert violations(f, "dsv4batch.model.x") == [
-        "dsv4batch.model.x imports dsv4batch.pipeline.errors (model -> pipeline)"]
+        "dsv4batch.model.x imports dsv4batch.actors.score (model -> actors)"]
+    f.write_text("import dsv4batch.jobspec.errors\n")
+    assert violations(f, "dsv4batch.model.x") == [
+        "dsv4batch.model.x imports dsv4batch.jobspec.errors (model -> jobspec)"]

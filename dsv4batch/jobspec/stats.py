@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dsv4batch.jobspec.schema import ERROR
 from dsv4batch.model.stats import Stats, StepStats, first, peak
-from dsv4batch.pipeline.schema import ERROR
 
 
 @dataclass

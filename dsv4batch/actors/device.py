@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsv4batch.pipeline.config import resolved_dtype
+from dsv4batch.jobspec.config import resolved_dtype
 
 
 def pick_device(num_gpus: float) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dsv4batch.pipeline.config import JobConfig
-from dsv4batch.pipeline.stages.device import pick_device, torch_dtype
+from dsv4batch.actors.device import pick_device, torch_dtype
+from dsv4batch.jobspec.config import JobConfig
 
 
 def load_engine(config: JobConfig, num_gpus: float):
@@ -17,7 +17,7 @@ def load_engine(config: JobConfig, num_gpus: float):
     from dsv4batch.model import Engine, EngineConfig
 
     if config.tp > 1:
-        from dsv4batch.pipeline.stages.shards import ShardedEngine
+        from dsv4batch.actors.shards import ShardedEngine
 
         engine = ShardedEngine(config, num_gpus, config.cpus_per_replica or 0.0)
         return engine, engine.ranks[0]["device"], engine.ranks[0]["dtype"]

@@ -1,8 +1,9 @@
 """Column contract between the pipeline steps.
 
-read -> [derive ids] -> Tokenize -> ScoringActor -> sink (`stages/`, `ids/`, `sink`). Each step declares a `StageSpec`: the
-columns it needs and the ones it adds; `check_columns` turns a missing column into a message
-that lists what is available. pyarrow is imported lazily (only `output_schema` needs it).
+read -> [derive ids] -> Tokenize -> ScoringActor -> sink (`stages/`, `actors/`, `ids/`, `sink`).
+Each step declares a `StageSpec`: the columns it needs and the ones it adds; `check_columns`
+turns a missing column into a message that lists what is available. pyarrow is imported lazily
+(only `output_schema` needs it).
 
 Text: the one invalid-text rule of every input format (`utf8_text`, `utf8_values`). The columns
 the tokenizer reads (text, target, conversations) are UTF-8 text in any of Arrow's string,
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4batch.pipeline.errors import UsageError
+from dsv4batch.jobspec.errors import UsageError
 
 ID = "id"
 ERROR = "error"
@@ -123,7 +124,7 @@ GENERATE_COLUMNS = ("num_prompt_tokens", "generated_text", "generated_token_ids"
 GENERATED_LOGPROBS = "generated_logprobs"  # only with --logprobs
 
 
-# an openai-batch input's rows (`openai_batch`): the request line's custom_id (the row id), line
+# an openai-batch input's rows (`pipeline.openai_batch`): the request line's custom_id (the row id), line
 # number and text; what the tokenizer step adds (sampling parameters, what the response needs);
 # the generation step's status code
 OPENAI_ID, OPENAI_LINE, OPENAI_REQUEST = "custom_id", "line", "request"

@@ -1,6 +1,6 @@
 """`ReplicaActor`: what every Ray Data step that owns a DSv4 model replica does around its work.
 
-The model is loaded once in `__init__` (`replica.load_engine`: one `Engine`, or a `ShardedEngine`
+The model is loaded once in `__init__` (`engine.load_engine`: one `Engine`, or a `ShardedEngine`
 over a --tp replica's rank workers); each call takes a tokenized Arrow batch and returns one
 output row per input row (the subclass's `process`: `ScoringActor`, `GenerateActor`). Per-batch
 stats go to the driver's `StatsCollector` (when given) and to `ray.util.metrics`. A request the
@@ -19,14 +19,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dsv4batch.actors.engine import load_engine
+from dsv4batch.actors.guard import BatchGuard
+from dsv4batch.actors.telemetry import ActorTelemetry
+from dsv4batch.actors.watchdog import Watchdog
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.errors import BatchError, ReplicaLost, row_error
+from dsv4batch.jobspec.stats import BatchStats
 from dsv4batch.model.stats import StepStats
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.errors import BatchError, ReplicaLost, row_error
-from dsv4batch.pipeline.faults import BatchGuard
-from dsv4batch.pipeline.stages.replica import load_engine
-from dsv4batch.pipeline.stages.telemetry import ActorTelemetry
-from dsv4batch.pipeline.stages.watchdog import Watchdog
-from dsv4batch.pipeline.stats import BatchStats
 
 
 @dataclass

@@ -8,12 +8,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dsv4batch.pipeline import schema as S
-from dsv4batch.pipeline.config import ScoreConfig
-from dsv4batch.pipeline.errors import BatchError, TooManyErrors
-from dsv4batch.pipeline.faults import batch_key
+from dsv4batch.actors.guard import batch_key
+from dsv4batch.actors.score import ScoringActor
+from dsv4batch.jobspec import schema as S
+from dsv4batch.jobspec.config import ScoreConfig
+from dsv4batch.jobspec.errors import BatchError, TooManyErrors
 from dsv4batch.pipeline.metrics import StatsCollector
-from dsv4batch.pipeline.stages.score import ScoringActor
 from dsv4batch.pipeline.stages.tokenize import Tokenize
 from tests.ties import ambiguous_greedy, assert_top_ids_match
 
@@ -238,7 +238,7 @@ def test_is_greedy_and_top_logprobs_match_transformers_argmax(checkpoint, engine
 
 
 def test_output_of_errored_rows_keeps_the_schema():
-    from dsv4batch.pipeline.stages.score import build_output
+    from dsv4batch.actors.score import build_output
 
     cfg = ScoreConfig(top_logprobs=2, token_logprobs=True)
     batch = pa.table({"id": [1, 2]})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsv4batch.pipeline.stats import BatchStats
+from dsv4batch.jobspec.stats import BatchStats
 
 # forward-step latency buckets, seconds: 1 ms .. 60 s
 STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
