@@ -148,9 +148,15 @@ def test_f1_a_second_job_on_a_running_output_is_refused(tmp_path, capsys, checkp
     src, out = tmp_path / "in.parquet", tmp_path / "out"
     args = [src, out, "--model", checkpoint, *SMALL_PARTS]
     with running_job(tmp_path / "first.log", args, local_ray) as (first, ids):
-        for flags in (["--resume"], ["--overwrite"]):
-            code, err = score(capsys, *args, *flags)
-            assert code == 2 and "is being written by another job" in err, err
+        # paused, so it cannot finish (and release its lease) during the second job's checks;
+        # its lease stays fresh for lease.TTL_S (60 s) without renewals
+        first.send_signal(signal.SIGSTOP)
+        try:
+            for flags in (["--resume"], ["--overwrite"]):
+                code, err = score(capsys, *args, *flags)
+                assert code == 2 and "is being written by another job" in err, err
+        finally:
+            first.send_signal(signal.SIGCONT)
         assert first.wait(timeout=300) == 0
     finished(out, ids)  # every id exactly once: the second job wrote and deleted nothing
 
@@ -232,7 +238,7 @@ def test_f9_a_stopped_scoring_actor_is_killed_and_its_batch_retried(tmp_path, ch
     src, out = tmp_path / "in.parquet", tmp_path / "out"
     stopped = {}
     args = [src, out, "--model", checkpoint, *SMALL_PARTS, "--batch-timeout-s", "5"]
-    with running_job(tmp_path / "driver.log", args, local_ray, n=32) as (job, ids):
+    with running_job(tmp_path / "driver.log", args, local_ray, n=160) as (job, ids):  # rows left to stop it in
         actor = next(a for a in alive_pipeline_actors(local_ray) if "ScoringActor" in a.class_name)
         os.kill(actor.pid, signal.SIGSTOP)
         stopped["pid"] = actor.pid

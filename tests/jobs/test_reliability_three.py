@@ -21,6 +21,7 @@ import pytest
 
 from dsv4batch.jobs.score import main
 from tests.jobs.conftest import FAST, REPO, finished, write_input
+from tests.ray_head import leave
 
 NONFINITE = "non-finite logits at position 0"
 
@@ -64,6 +65,7 @@ def refused_before_ray(capsys, tmp_path, model, message, *flags) -> None:
     """`dsv4batch score` with `model` exits 2 naming the problem; no Ray, no OUTPUT."""
     import ray
 
+    leave()  # the session's Ray, joined by an earlier module: this run must not start one
     src = tmp_path / "in.parquet"
     write_input(src, 2)
     out = tmp_path / "out"
@@ -232,6 +234,7 @@ def test_5_eval_numbers_are_one_line_errors(capsys, flags, message):
 def test_5_job_numbers_are_refused_before_anything(tmp_path, capsys, job, flag, value):
     import ray
 
+    leave()
     src = tmp_path / "in.parquet"
     write_input(src, 2)
     code, err = cli(capsys, job, src, tmp_path / "out", flag, value)
