@@ -245,7 +245,7 @@ def test_f9_a_stopped_scoring_actor_is_killed_and_its_batch_retried(tmp_path, ch
         assert job.wait(timeout=300) == 0
     _, metrics = finished(out, ids)
     assert metrics["actors"][0]["restarts"] == 1 and stopped["pid"] in metrics["actors"][0]["pids"]
-    assert "past --batch-timeout-s 5; killing scoring actor" in (tmp_path / "driver.log").read_text()
+    assert "past --batch-timeout-s 5; killing actor process" in (tmp_path / "driver.log").read_text()
 
 
 def test_f9_resources_ray_cannot_give_are_refused(tmp_path, capsys, local_ray):

@@ -394,8 +394,8 @@ def test_6_invalid_utf8_and_nul_are_read_alike_in_every_format(tmp_path, capsys,
     assert [rows[i]["error"] for i in range(3)] == [None] * 3
     assert [rows[i]["num_scored_tokens"] for i in range(3)] == decoded
     assert all(np.isfinite(rows[i]["logprob_sum"]) for i in range(3))
-    if fmt == "csv":  # a kept CSV text column is the decoded string
-        assert rows[1]["prompt"] == BAD_UTF8.decode("utf-8", "replace") and rows[2]["prompt"] == NUL.decode()
+    # a kept text column is the decoded string, in every format
+    assert rows[1]["prompt"] == BAD_UTF8.decode("utf-8", "replace") and rows[2]["prompt"] == NUL.decode()
 
 
 def test_7_dictionary_encoded_text_is_read_as_strings(tmp_path, capsys, checkpoint, local_ray):
