@@ -88,6 +88,18 @@ def _weight_tile(w_ptr, s_ptr, rn, kb, N, K, G, stride_wn, stride_sn,
 
 
 @triton.jit
+def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Rows and columns of program `pid`'s output tile: GROUP_M row tiles at a time, so that they
+    reuse W's column tiles in L2."""
+    n_n = tl.cdiv(N, BLOCK_N)
+    first_m = pid // (GROUP_M * n_n) * GROUP_M
+    size_m = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    rm = (first_m + (pid % (GROUP_M * n_n)) % size_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % (GROUP_M * n_n)) // size_m * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn
+
+
+@triton.jit
 def _dequant_linear_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, G, stride_xm, stride_wn, stride_sn, stride_ym,
     FP4: tl.constexpr, E8M0: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -95,12 +107,7 @@ def _dequant_linear_kernel(
 ):
     """y tile = sum over K tiles of x tile @ (dequantized W tile)^T in x's dtype, fp32 sums.
     Tiles are ordered GROUP_M row tiles at a time, so that they reuse W's column tiles in L2."""
-    pid = tl.program_id(0)
-    n_n = tl.cdiv(N, BLOCK_N)
-    first_m = pid // (GROUP_M * n_n) * GROUP_M
-    size_m = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    rm = (first_m + (pid % (GROUP_M * n_n)) % size_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (pid % (GROUP_M * n_n)) // size_m * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -125,12 +132,7 @@ def _fp8_linear_kernel(
 ):
     """y tile = sum over 128-deep K blocks of (e4m3 x e4m3 dot, fp32) * x scale[row] * W scale[block];
     tile order as in :func:`_dequant_linear_kernel`."""
-    pid = tl.program_id(0)
-    n_n = tl.cdiv(N, BLOCK_N)
-    first_m = pid // (GROUP_M * n_n) * GROUP_M
-    size_m = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    rm = (first_m + (pid % (GROUP_M * n_n)) % size_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (pid % (GROUP_M * n_n)) // size_m * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     mmask = rm < M
     nmask = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
