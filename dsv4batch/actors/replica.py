@@ -68,10 +68,13 @@ class ReplicaActor:
             pass
         import torch
 
+        from dsv4batch import kernels
+
         self.info = {"actor_id": self.actor_id, "node_id": self.node_id, "pid": os.getpid(),
                      "device": self.device, "dtype": self.dtype, "head_precision": self.engine.head_precision,
                      "attn_kernel": self.engine.attn_kernel, "load_s": time.perf_counter() - t0,
                      "torch_threads": torch.get_num_threads(),
+                     "cpu_kernels": kernels.selection() if self.device == "cpu" else None,
                      **({"ranks": self.engine.ranks} if hasattr(self.engine, "ranks") else {})}
         if stats is not None:
             stats.register_actor.remote(self.info)

@@ -56,6 +56,7 @@ class RankWorker:
         import torch
         import torch.distributed as dist
 
+        from dsv4batch import kernels
         from dsv4batch.model import Engine, EngineConfig
         from dsv4batch.model.parallel import TP
 
@@ -75,6 +76,7 @@ class RankWorker:
                 "device": device, "dtype": str(self.engine.model.head.weight.dtype).removeprefix("torch."),
                 "head_precision": self.engine.head_precision, "attn_kernel": self.engine.attn_kernel,
                 "torch_threads": torch.get_num_threads(),
+                "cpu_kernels": kernels.selection() if device == "cpu" else None,
                 "resident_bytes": sum(t.numel() * t.element_size() for t in tensors),
                 "load_s": time.perf_counter() - t0}
 

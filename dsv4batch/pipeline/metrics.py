@@ -123,7 +123,7 @@ def summarize(snapshot: dict, written: Written, wall_s: float, extra: dict | Non
             "actor_id": a["actor_id"], "node_id": a.get("node_id"), "device": a.get("device"),
             "dtype": a.get("dtype"), "head_precision": a.get("head_precision"),
             "attn_kernel": a.get("attn_kernel"), "torch_threads": a.get("torch_threads"),
-            "load_s": round(a.get("load_s", 0.0), 3),
+            "cpu_kernels": a.get("cpu_kernels"), "load_s": round(a.get("load_s", 0.0), 3),
             "pids": a.get("pids", []), "restarts": max(len(a.get("pids", [])) - 1, 0),
             "batches": a["batches"], "rows": a["rows"], "input_tokens": a["input_tokens"],
             "scored_tokens": a["scored_tokens"], "busy_s": round(a["busy_s"], 3),

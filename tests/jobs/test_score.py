@@ -61,6 +61,9 @@ def test_cli_scores_match_the_model(tmp_path, checkpoint, engine):
     assert metrics["head_precision"] == "fp32" and metrics["actors"][0]["head_precision"] == "fp32"
     assert metrics["actors"][0]["attn_kernel"] == "cpu"  # the fused kernel: CI has a compiler
     assert metrics["actors"][0]["torch_threads"] == 1  # --torch-threads reaches the actor
+    chosen = metrics["actors"][0]["cpu_kernels"]  # what the actor's CPU runs, per kernel
+    assert chosen["isa"] in ("avx512", "avx2", "generic") and set(chosen["kernels"]) == {
+        "sparse_mla", "indexer", "head", "elementwise"}
     assert metrics["tokens_per_s"] > 0 and metrics["time_s"]["forward"] > 0
     assert metrics["num_steps"] >= 1 and metrics["peak_workspace_bytes"] > 0
     assert metrics["time_s"]["tokenize"] > 0
