@@ -66,6 +66,19 @@ def utf8_text(column):
         return pa.array([None if v is None else v.decode("utf-8", "replace") for v in values], target)
 
 
+def utf8_columns(table, columns, strings_only: bool = False):
+    """`table` with its `columns` (those it has) read by `utf8_text`'s rule; `strings_only`: only
+    the string and large_string ones (a kept binary column stays bytes)."""
+    import pyarrow as pa
+
+    for c in columns:
+        i = table.schema.get_field_index(c) if c else -1
+        kind = table.schema.field(i).type if i >= 0 else None
+        if kind is not None and (not strings_only or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            table = table.set_column(i, c, utf8_text(table.column(i)))
+    return table
+
+
 def utf8_values(column) -> list:
     """Python values of any column, text leaves decoded by the module's rule (a conversation's
     list<struct<role, content>> included): `to_pylist`, except that invalid UTF-8 in a string

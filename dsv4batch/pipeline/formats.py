@@ -18,7 +18,7 @@ Invalid text, the same in every format (`schema.utf8_text`): in the text, target
 conversation columns invalid UTF-8 is decoded as U+FFFD and NUL is a character like any other,
 never an error. Parquet and JSONL hand their strings over as stored and the tokenize step
 decodes them; a CSV's text columns are read as bytes (pyarrow's CSV reader refuses invalid
-UTF-8 in a string column) and decoded as each block is read (`decode_text`), so they are strings
+UTF-8 in a string column) and decoded as each block is read (`schema.utf8_columns`), so they are strings
 from the read on; a raw NUL byte inside a JSONL string (which JSON wants escaped) is read as the
 escape \u0000 (`escape_nul`), as it already is in CSV and Parquet.
 """
@@ -34,6 +34,7 @@ import numpy as np
 
 from dsv4batch.jobspec.config_base import FORMATS
 from dsv4batch.jobspec.errors import UsageError
+from dsv4batch.jobspec.schema import utf8_columns
 
 NAMES = {"parquet": "Parquet", "json": "JSONL", "csv": "CSV", "openai-batch": "OpenAI batch"}
 CHUNK_BYTES = 8 << 20  # JSONL: whole lines parsed per pyarrow call (what the driver holds)
@@ -64,7 +65,7 @@ class TextFile(NamedTuple):
 def csv_options(text_columns=(), columns=None) -> dict:
     """pyarrow.csv.open_csv's options, the same in `scan_text`, the id scan and Ray's read:
     serial reads of 1 MiB blocks (type inference and `Row #N` in errors depend on both),
-    newlines allowed in quoted values, `text_columns` as bytes (`decode_text` makes them
+    newlines allowed in quoted values, `text_columns` as bytes (`schema.utf8_columns` makes them
     strings), only `columns` when given."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
@@ -74,18 +75,6 @@ def csv_options(text_columns=(), columns=None) -> dict:
     return {"read_options": pacsv.ReadOptions(use_threads=False, block_size=CSV_BLOCK_BYTES),
             "parse_options": pacsv.ParseOptions(newlines_in_values=True),
             "convert_options": convert}
-
-
-def decode_text(table, text_columns):
-    """`table` with its `text_columns` (those it has) as strings by the invalid-text rule
-    (`schema.utf8_text`): a CSV block as the pipeline reads it."""
-    from dsv4batch.jobspec.schema import utf8_text
-
-    for c in text_columns:
-        i = table.schema.get_field_index(c) if c else -1
-        if i >= 0:
-            table = table.set_column(i, c, utf8_text(table.column(i)))
-    return table
 
 
 def escape_nul(data: bytes) -> bytes:
@@ -216,7 +205,7 @@ def _csv_tables(stream, path: str, open_stream, text_columns=(), columns=None):
     try:
         reader = pacsv.open_csv(stream, **csv_options(text_columns, columns))
         for batch in reader:
-            yield decode_text(pa.Table.from_batches([batch]), text_columns), None
+            yield utf8_columns(pa.Table.from_batches([batch]), text_columns), None
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         msg = str(exc)
         m = _CSV_ROW.search(msg)

@@ -48,7 +48,7 @@ class InputInfo:
     # and the footer digest (Parquet) or the content digest (JSONL, CSV)
     id_type: Any = None  # the ids' one type over all files (set by check_input)
     format: str = "parquet"  # one of config_base.FORMATS
-    text_columns: tuple = ()  # CSV: columns read as text (`formats.decode_text`): the tokenizer's
+    text_columns: tuple = ()  # CSV: columns read as text (`schema.utf8_columns`): the tokenizer's
     longest_line: int = 0  # JSONL: the longest line over all files, in bytes
 
 

@@ -9,7 +9,7 @@ append the same hash Ray computes for Parquet (`ids.hashing.row_hash`). A retrie
 a file from its start, so the positions are the same on every attempt.
 
 They read text as the driver's scan does (`formats`' invalid-text rule): a CSV's text columns
-are decoded as each block comes out (`formats.decode_text`), a JSONL file's raw NUL bytes are
+are decoded as each block comes out (`schema.utf8_columns`), a JSONL file's raw NUL bytes are
 escaped before pyarrow parses it (`formats.escape_nul`).
 """
 
@@ -19,6 +19,7 @@ from ray.data._internal.datasource.csv_datasource import CSVDatasource
 from ray.data._internal.datasource.json_datasource import ArrowJSONDatasource
 from ray.data.datasource import FileBasedDatasource
 
+from dsv4batch.jobspec.schema import utf8_columns
 from dsv4batch.pipeline import formats as F
 from dsv4batch.pipeline.ids.hashing import row_hash
 
@@ -65,13 +66,13 @@ class _EscapedJSON:
 
 
 class _DecodedText:
-    """Mixin for Ray's CSV datasource: `text_columns` decoded in every block (`formats.decode_text`)."""
+    """Mixin for Ray's CSV datasource: `text_columns` decoded in every block (`schema.utf8_columns`)."""
 
     text_columns: tuple = ()
 
     def _read_stream(self, f, path: str):
         for block in super()._read_stream(f, path):
-            yield F.decode_text(block, self.text_columns)
+            yield utf8_columns(block, self.text_columns)
 
 
 class JSONLSource(_Positions, _EscapedJSON, ArrowJSONDatasource):

@@ -157,7 +157,8 @@ class Tokenize:
         np.cumsum(lengths, out=offsets[1:])
         flat = np.fromiter((t for x in ids_out for t in x), np.int32, int(offsets[-1]))
         keep = [cfg.id_column, *cfg.row_columns(), *cfg.keep_columns]
-        out = _valid_strings(batch.select(keep), cfg.keep_columns)
+        # a kept copy of the text reads as the text the model saw (not all writers validate UTF-8)
+        out = S.utf8_columns(batch.select(keep), cfg.keep_columns, strings_only=True)
         if cfg.id_column != S.ID:
             out = out.rename_columns([S.ID if c == cfg.id_column else c for c in keep])
         out = out.append_column(S.INPUT_IDS, pa.ListArray.from_arrays(offsets, flat))
@@ -174,15 +175,3 @@ def _texts(column) -> list:
     validate) is decoded with U+FFFD."""
     return S.utf8_text(column).to_pylist()
 
-
-def _valid_strings(table, columns):
-    """`table` with its string `columns` valid UTF-8 by the invalid-text rule (a kept copy of the
-    text reads as the text the model saw; Parquet and JSON writers do not all validate)."""
-    import pyarrow as pa
-
-    for c in columns:
-        i = table.schema.get_field_index(c)
-        kind = table.schema.field(i).type if i >= 0 else None
-        if kind is not None and (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            table = table.set_column(i, c, S.utf8_text(table.column(i)))
-    return table
